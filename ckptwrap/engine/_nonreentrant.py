@@ -1,0 +1,368 @@
+"""The non-re-entrant engine: saved-tensor hooks that keep placeholders, recompute on unpack.
+
+During the forward of a region every tensor autograd wants to save is replaced by a small
+``_Holder``. The first time backward unpacks one of them, the region is run again under
+the forward's device state and each tensor it saves is routed into the matching holder;
+with early stop the rerun ends as soon as the last holder still alive has been filled.
+
+Nesting follows from two rules: a region's inputs are themselves saved tensors of the
+enclosing region (so unpacking them recomputes the parent first), and a recomputation
+starts with no placeholder hooks in force (checkpoints met while recomputing still apply).
+Recomputed values belong to one backward call (its graph task) and are dropped when
+unpacked or, for a partial backward, when that backward ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
+
+import torch
+from torch._C._autograd import SavedTensor, _make_saved_tensor
+from torch.autograd.graph import saved_tensors_hooks
+
+from .._errors import CheckpointError
+from . import _device, _state, _tree
+from ._debug import OpRecorder, describe_ops
+
+__all__ = ["run_checkpointed"]
+
+_Meta = Tuple[torch.Size, torch.dtype, torch.device]
+
+
+class _Holder:
+    """Stands in for one saved tensor; holds its recomputed value per backward call."""
+
+    __slots__ = ("values", "__weakref__")
+
+    def __init__(self) -> None:
+        self.values: Dict[Any, torch.Tensor] = {}
+
+
+class _StopRecomputation(Exception):
+    """Raised from a pack hook to end a recomputation once nothing more is needed."""
+
+    def __init__(self, run: "_Recomputation") -> None:
+        super().__init__()
+        self.run = run
+
+
+def _meta(tensor: torch.Tensor) -> _Meta:
+    return (tensor.shape, tensor.dtype, tensor.device)
+
+
+def _describe(meta: _Meta) -> str:
+    shape, dtype, device = meta
+    return f"shape={tuple(shape)}, dtype={dtype}, device={device}"
+
+
+class _SavedInputs:
+    """A region's arguments, with tensors kept as saved tensors of the enclosing context.
+
+    Saving them through autograd's own mechanism is what makes nesting work: inside an
+    enclosing checkpoint they become that region's placeholders, outside they are plain
+    references, and an in-place change before backward is reported by autograd.
+    """
+
+    __slots__ = ("_items", "_spec", "_kwargs")
+
+    def __init__(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        if kwargs or not all(_is_simple(a) for a in args):
+            leaves, self._spec = _tree.flatten((args, kwargs))
+        else:
+            leaves, self._spec = list(args), None
+        self._items = [
+            _make_saved_tensor(leaf, is_output=False) if isinstance(leaf, torch.Tensor) else leaf
+            for leaf in leaves
+        ]
+
+    def restore(self) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+        leaves = [item.unpack() if isinstance(item, SavedTensor) else item for item in self._items]
+        if self._spec is None:
+            return tuple(leaves), {}
+        return _tree.unflatten(leaves, self._spec)
+
+
+def _is_simple(value: Any) -> bool:
+    return value is None or isinstance(value, (torch.Tensor, int, float, bool, str))
+
+
+class _Frame:
+    """Everything one checkpointed call needs to recompute itself later."""
+
+    __slots__ = (
+        "replay",
+        "inputs",
+        "holders",
+        "metas",
+        "early_stop",
+        "checked",
+        "forward_done",
+        "recomputed",
+        "debug",
+        "__weakref__",
+    )
+
+    def __init__(
+        self,
+        replay: Callable[[Tuple[Any, ...], Dict[str, Any]], None],
+        inputs: _SavedInputs,
+        *,
+        early_stop: bool,
+        checked: bool,
+        debug: Optional[Tuple[OpRecorder, OpRecorder]],
+    ) -> None:
+        self.replay = replay
+        self.inputs = inputs
+        self.holders: List[weakref.ref] = []
+        self.metas: List[_Meta] = []
+        self.early_stop = early_stop
+        self.checked = checked
+        self.forward_done = False
+        self.recomputed: set = set()
+        self.debug = debug
+
+    def forget(self, gid: Any) -> None:
+        """Drop what was recomputed for backward call ``gid`` and not unpacked."""
+        self.recomputed.discard(gid)
+        for ref in self.holders:
+            holder = ref()
+            if holder is not None:
+                holder.values.pop(gid, None)
+
+    def fail(self, message: str) -> CheckpointError:
+        if self.debug is not None:
+            forward, recompute = self.debug
+            message = f"{message}\n\n{describe_ops(forward.ops, recompute.ops)}"
+        return CheckpointError(message)
+
+
+class _Recomputation:
+    """One rerun of a frame for one backward call: routes saved tensors into holders."""
+
+    def __init__(self, frame: _Frame, gid: Any) -> None:
+        self.frame = frame
+        self.gid = gid
+        self.count = 0
+        self.mismatches: List[str] = []
+        self.extra_allowed = False
+        alive = [i for i, ref in enumerate(frame.holders) if ref() is not None]
+        self.last_needed = alive[-1] if alive else -1
+
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        frame, index = self.frame, self.count
+        self.count += 1
+        # Detached so the stored value does not keep the recomputation's graph alive.
+        value = tensor.detach() if tensor.requires_grad else tensor
+        if index >= len(frame.holders):
+            if not frame.forward_done:
+                # Backward inside the region's own forward, without early stop: the rerun
+                # goes past the point the forward has reached so far.
+                self.extra_allowed = True
+                return value
+            raise frame.fail(
+                f"The recomputation saved more tensors than the forward did "
+                f"(the forward saved {len(frame.holders)}). The checkpointed function must run "
+                f"the same operations when it is recomputed; guard side-effecting branches "
+                f"with ckptwrap.is_recomputing() or pass determinism_check='none'."
+            )
+        holder = frame.holders[index]()
+        if holder is not None:
+            holder.values[self.gid] = value
+            if frame.checked:
+                recomputed = _meta(value)
+                if recomputed != frame.metas[index]:
+                    self.mismatches.append(
+                        f"  tensor at position {index}: forward saved "
+                        f"{_describe(frame.metas[index])}; recomputation saved "
+                        f"{_describe(recomputed)}"
+                    )
+        if frame.early_stop and index == self.last_needed:
+            raise _StopRecomputation(self)
+        return value
+
+    def verify(self, stopped: bool) -> None:
+        frame = self.frame
+        if not frame.checked:
+            return
+        if self.mismatches:
+            raise frame.fail(
+                "A recomputed tensor differs from the one saved in the forward:\n"
+                + "\n".join(self.mismatches)
+                + "\nThe checkpointed function must be deterministic in the shapes, dtypes and"
+                " devices it produces; guard branches with ckptwrap.is_recomputing() or pass"
+                " determinism_check='none'."
+            )
+        if not stopped and not self.extra_allowed and self.count != len(frame.holders):
+            raise frame.fail(
+                f"The forward saved {len(frame.holders)} tensors for backward but the "
+                f"recomputation saved {self.count}. The checkpointed function must run the same "
+                f"operations when it is recomputed; guard side-effecting branches with "
+                f"ckptwrap.is_recomputing() or pass determinism_check='none'."
+            )
+
+
+def _identity(value: torch.Tensor) -> torch.Tensor:
+    return value
+
+
+_TASK, _GROUP, _ONCE = "task", "group", "once"
+
+
+def _current_gid() -> Tuple[Any, str]:
+    """The key under which recomputed values are kept, and what kind of key it is.
+
+    A backward call (graph task) recomputes each region at most once; a GraphExecGroup
+    shares one recomputation among its backward calls; an unpack outside any backward
+    (reading ``grad_fn._saved_*`` by hand) recomputes just for itself.
+    """
+    group = torch._C._get_graph_exec_group()
+    if group is not None:
+        return group, _GROUP
+    task = torch._C._current_graph_task_id()
+    if task == -1:
+        return object(), _ONCE
+    return task, _TASK
+
+
+def _recompute(frame: _Frame, gid: Any) -> None:
+    args, kwargs = frame.inputs.restore()
+    run = _Recomputation(frame, gid)
+    stopped = False
+    try:
+        with saved_tensors_hooks(run.pack, _identity), torch.enable_grad(), _state.recomputing():
+            frame.replay(args, kwargs)
+    except _StopRecomputation as stop:
+        if stop.run is not run:
+            raise
+        stopped = True
+    frame.recomputed.add(gid)
+    run.verify(stopped)
+
+
+def _make_hooks(frame: _Frame) -> saved_tensors_hooks:
+    holders, metas, checked = frame.holders, frame.metas, frame.checked
+
+    def pack(tensor: torch.Tensor) -> _Holder:
+        holder = _Holder()
+        holders.append(weakref.ref(holder))
+        if checked:
+            metas.append(_meta(tensor))
+        return holder
+
+    def unpack(holder: _Holder) -> torch.Tensor:
+        gid, kind = _current_gid()
+        if gid not in frame.recomputed:
+            _recompute(frame, gid)
+            if kind is _TASK:
+                # Values recomputed but never unpacked (a partial backward with
+                # retain_graph=True) must not outlive the backward call.
+                frame_ref = weakref.ref(frame)
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    lambda: _forget(frame_ref, gid)
+                )
+        try:
+            value = holder.values.pop(gid)
+        except KeyError:
+            raise frame.fail(
+                "A tensor saved in a checkpointed region was unpacked twice in one backward call, "
+                "or the recomputation never produced it. Read ctx.saved_tensors once per backward "
+                "in custom autograd Functions, and make the checkpointed function deterministic."
+            ) from None
+        if kind is _ONCE:
+            frame.forget(gid)
+        return value
+
+    return saved_tensors_hooks(pack, unpack)
+
+
+def _forget(frame_ref: "weakref.ref[_Frame]", gid: Any) -> None:
+    frame = frame_ref()
+    if frame is not None:
+        frame.forget(gid)
+
+
+def run_checkpointed(
+    fn: Callable[..., Any],
+    args: Tuple[Any, ...],
+    kwargs: Dict[str, Any],
+    *,
+    preserve_rng_state: bool,
+    context_fn: Optional[Callable[[], Tuple[ContextManager, ContextManager]]],
+    check: bool,
+    debug: bool,
+    early_stop: bool,
+) -> Any:
+    """Run ``fn(*args, **kwargs)`` so that its saved tensors are recomputed in backward."""
+    inputs = _SavedInputs(args, kwargs)
+    tensors = _tree.tensor_leaves((args, kwargs)) if inputs_need_scan(args, kwargs) else list(
+        a for a in args if isinstance(a, torch.Tensor)
+    )
+    devices = _device.devices_of(tensors)
+    cuda_was_ready = torch.cuda.is_initialized()
+    state = _device.capture_device_state(devices, preserve_rng_state=preserve_rng_state)
+
+    forward_ctx: ContextManager = contextlib.nullcontext()
+    recompute_ctx: ContextManager = contextlib.nullcontext()
+    if context_fn is not None:
+        forward_ctx, recompute_ctx = _contexts_from(context_fn)
+    recorders = (OpRecorder(), OpRecorder()) if debug else None
+
+    def replay(replay_args: Tuple[Any, ...], replay_kwargs: Dict[str, Any]) -> None:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_device.replayed(state))
+            stack.enter_context(recompute_ctx)
+            if recorders is not None:
+                stack.enter_context(recorders[1])
+            fn(*replay_args, **replay_kwargs)
+
+    frame = _Frame(
+        replay, inputs, early_stop=early_stop, checked=check, debug=recorders
+    )
+    completed = False
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_make_hooks(frame))
+        stack.enter_context(forward_ctx)
+        if recorders is not None:
+            stack.enter_context(recorders[0])
+        output = fn(*args, **kwargs)
+        completed = True
+    if not completed:
+        raise CheckpointError(
+            "The forward context returned by context_fn suppressed an exception raised inside "
+            "the checkpointed function, so there is no output to return. Let the exception "
+            "propagate from that context manager."
+        )
+    frame.forward_done = True
+    if preserve_rng_state and not cuda_was_ready and torch.cuda.is_initialized():
+        raise CheckpointError(
+            "CUDA was initialized for the first time inside a checkpointed region, so its RNG "
+            "state could not be saved for the recomputation. Move the region's inputs to the "
+            "device before calling it (or call torch.cuda.init() first), or pass "
+            "preserve_rng_state=False if the region draws no random numbers on the GPU."
+        )
+    return output
+
+
+def inputs_need_scan(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
+    """Whether tensors may hide inside containers or keyword arguments."""
+    return bool(kwargs) or not all(_is_simple(a) for a in args)
+
+
+def _contexts_from(
+    context_fn: Callable[[], Tuple[ContextManager, ContextManager]],
+) -> Tuple[ContextManager, ContextManager]:
+    pair = context_fn()
+    if not (
+        isinstance(pair, tuple)
+        and len(pair) == 2
+        and all(hasattr(c, "__enter__") and hasattr(c, "__exit__") for c in pair)
+    ):
+        from .._errors import CheckpointConfigError
+
+        raise CheckpointConfigError(
+            f"context_fn must return a tuple of two context managers (one for the forward, "
+            f"one for the recomputation), got {pair!r}."
+        )
+    return pair

@@ -1,0 +1,123 @@
+"""The re-entrant engine: an autograd Function that runs the region without a graph and
+runs it again, with a graph, inside its own backward.
+
+Two things differ from torch's re-entrant variant. Tensors nested in lists, dicts,
+dataclasses or any pytree-registered type, in the arguments and in the output, are
+flattened into the Function's inputs and outputs, so they take part in autograd. And
+when no input requires grad, an anchor input that does is added, so that parameters
+used inside the region still receive their gradients (the frozen-embedding trap).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+
+from .._errors import CheckpointError
+from . import _device, _state, _tree
+
+__all__ = ["run_reentrant"]
+
+_TENSOR = object()  # marks where a tensor goes among the non-tensor leaves of a structure
+
+
+def _split(leaves: List[Any]) -> Tuple[List[torch.Tensor], List[Any]]:
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    rest = [_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+    return tensors, rest
+
+
+def _merge(tensors: Tuple[torch.Tensor, ...], rest: List[Any]) -> List[Any]:
+    supply = iter(tensors)
+    return [next(supply) if leaf is _TENSOR else leaf for leaf in rest]
+
+
+class _Region:
+    """What the backward needs to rerun one region; filled in by the forward."""
+
+    __slots__ = ("fn", "arg_spec", "arg_leaves", "state", "out_spec", "out_leaves", "has_anchor")
+
+    def __init__(self, fn: Callable[..., Any], arg_leaves: List[Any], arg_spec: Any) -> None:
+        self.fn = fn
+        self.arg_leaves = arg_leaves  # non-tensor leaves, _TENSOR where a tensor goes
+        self.arg_spec = arg_spec
+        self.state: Optional[_device.DeviceState] = None
+        self.out_spec: Any = None
+        self.out_leaves: List[Any] = []  # same, for the output
+        self.has_anchor = False
+
+    def call(self, tensors: Tuple[torch.Tensor, ...]) -> Any:
+        return self.fn(*_tree.unflatten(_merge(tensors, self.arg_leaves), self.arg_spec))
+
+
+class _ReentrantFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, region: _Region, preserve_rng_state: bool, *tensors: torch.Tensor):  # type: ignore[override]
+        inputs = tensors[:-1] if region.has_anchor else tensors
+        region.state = _device.capture_device_state(
+            _device.devices_of(inputs), preserve_rng_state=preserve_rng_state
+        )
+        ctx.region = region
+        ctx.save_for_backward(*inputs)
+        ctx.set_materialize_grads(False)
+        with torch.no_grad():
+            output = region.call(inputs)
+        leaves, region.out_spec = _tree.flatten(output)
+        out_tensors, region.out_leaves = _split(leaves)
+        ctx.mark_non_differentiable(
+            *[t for t in out_tensors if not (t.is_floating_point() or t.is_complex())]
+        )
+        return tuple(out_tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[torch.Tensor]):  # type: ignore[override]
+        if not torch.autograd._is_checkpoint_valid():
+            raise CheckpointError(
+                "A region checkpointed with use_reentrant=True was reached by "
+                "torch.autograd.grad() or by .backward(inputs=...), which that variant cannot "
+                "serve. Call .backward() without `inputs`, or checkpoint with "
+                "use_reentrant=False, which supports both."
+            )
+        region: _Region = ctx.region
+        saved = ctx.saved_tensors
+        detached = tuple(t.detach().requires_grad_(t.requires_grad) for t in saved)
+        with _device.replayed(region.state), torch.enable_grad(), _state.recomputing():
+            output = region.call(detached)
+        out_tensors = [t for t in _tree.tensor_leaves(output)]
+        if len(out_tensors) != len(grads):
+            raise CheckpointError(
+                f"The recomputation returned {len(out_tensors)} tensors but the forward returned "
+                f"{len(grads)}. The checkpointed function must return the same structure when "
+                f"it is recomputed."
+            )
+        pairs = [
+            (out, grad)
+            for out, grad in zip(out_tensors, grads)
+            if grad is not None and out.requires_grad
+        ]
+        if pairs:
+            torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
+        input_grads = tuple(t.grad if t.requires_grad else None for t in detached)
+        anchor_grad = (None,) if region.has_anchor else ()
+        return (None, None) + input_grads + anchor_grad
+
+
+def _may_need_anchor(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` may use tensors that require grad which are not among its inputs."""
+    owner = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
+    if isinstance(owner, torch.nn.Module):
+        return any(p.requires_grad for p in owner.parameters())
+    return True  # a plain function may close over parameters; assume it does
+
+
+def run_reentrant(fn: Callable[..., Any], args: Tuple[Any, ...], *, preserve_rng_state: bool) -> Any:
+    """Run ``fn(*args)`` through the re-entrant Function and rebuild its output structure."""
+    leaves, spec = _tree.flatten(args)
+    tensors, rest = _split(leaves)
+    region = _Region(fn, rest, spec)
+    if not any(t.requires_grad for t in tensors) and _may_need_anchor(fn):
+        region.has_anchor = True
+        tensors.append(torch.empty((), requires_grad=True))
+    out_tensors = _ReentrantFunction.apply(region, preserve_rng_state, *tensors)
+    return _tree.unflatten(_merge(out_tensors, region.out_leaves), region.out_spec)

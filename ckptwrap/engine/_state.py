@@ -1,0 +1,84 @@
+"""Context-local engine state: the early-stop setting and whether a recomputation is running.
+
+Both live in ``contextvars`` so that threads and asyncio tasks never see each other's
+values, and both are changed only through context managers that restore them in ``finally``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Iterator, Optional
+
+__all__ = ["set_checkpoint_early_stop", "is_recomputing", "early_stop_setting", "recomputing"]
+
+_EARLY_STOP: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar(
+    "ckptwrap_early_stop", default=None
+)
+_RECOMPUTING: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "ckptwrap_recomputing", default=False
+)
+
+
+@contextlib.contextmanager
+def set_checkpoint_early_stop(enable: bool) -> Iterator[None]:
+    """Choose whether non-re-entrant checkpoints stop recomputing early.
+
+    Applies to checkpoints whose *forward* runs inside the block; their backward may run
+    anywhere. The setting is context-local: other threads and asyncio tasks keep theirs.
+    An explicit ``early_stop=`` passed to :func:`checkpoint` takes precedence.
+
+    Args:
+        enable: True to stop each recomputation as soon as every tensor backward needs
+            has been recomputed (the default), False to always run the region to the end.
+
+    Raises:
+        CheckpointConfigError: ``enable`` is not a bool.
+
+    Example:
+        >>> with set_checkpoint_early_stop(False):
+        ...     y = checkpoint(block, x)
+        >>> y.sum().backward()
+    """
+    if not isinstance(enable, bool):
+        from .._errors import CheckpointConfigError
+
+        raise CheckpointConfigError(
+            f"set_checkpoint_early_stop expects True or False, got {enable!r} "
+            f"({type(enable).__name__})."
+        )
+    token = _EARLY_STOP.set(enable)
+    try:
+        yield
+    finally:
+        _EARLY_STOP.reset(token)
+
+
+def early_stop_setting(explicit: Optional[bool]) -> bool:
+    """The early-stop choice for a checkpoint whose forward starts now."""
+    if explicit is not None:
+        return explicit
+    context_value = _EARLY_STOP.get()
+    return True if context_value is None else context_value
+
+
+def is_recomputing() -> bool:
+    """True while a checkpointed region is being recomputed for the backward pass.
+
+    User code can test it to skip side effects (logging, counters, running statistics)
+    that must happen once per forward.
+
+    Returns:
+        Whether the calling code runs inside a recomputation.
+    """
+    return _RECOMPUTING.get()
+
+
+@contextlib.contextmanager
+def recomputing() -> Iterator[None]:
+    """Mark the enclosed code as a recomputation for :func:`is_recomputing`."""
+    token = _RECOMPUTING.set(True)
+    try:
+        yield
+    finally:
+        _RECOMPUTING.reset(token)

@@ -1,0 +1,265 @@
+"""Peak memory of a block of code, such as one training step.
+
+On CUDA and other accelerators the caching allocator's peak statistics are used. On the
+CPU, which keeps no such statistics, the bytes of tensor storages created inside the
+block are counted as they are allocated and freed, through a dispatch mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import weakref
+from typing import Any, Dict, Iterator, List, Set
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from .._errors import CheckpointConfigError
+
+__all__ = ["PeakMemory", "measure_peak"]
+
+_MIB = 1024 * 1024
+
+
+@dataclasses.dataclass
+class PeakMemory:
+    """What :func:`measure_peak` found; filled in when its block exits.
+
+    Attributes:
+        device: The device that was measured.
+        peak_bytes: Highest number of bytes allocated on ``device`` during the block,
+            above what was already allocated when the block began.
+    """
+
+    device: torch.device
+    peak_bytes: int = 0
+
+    @property
+    def peak_mib(self) -> float:
+        """``peak_bytes`` in mebibytes."""
+        return self.peak_bytes / _MIB
+
+
+@contextlib.contextmanager
+def measure_peak(device: torch.device | str | int | None = None) -> Iterator[PeakMemory]:
+    """Measure the peak memory allocated on one device while the block runs.
+
+    Memory that is live when the block begins is not counted, so the result is what
+    the block itself added at its highest point: for a training step, the activations,
+    gradients and temporaries.
+
+    On CUDA this resets the device's peak statistics (``torch.cuda.reset_peak_memory_stats``),
+    and likewise on other accelerators that keep them. On the CPU it counts the bytes of
+    every tensor storage that an operator creates inside the block, forward and backward,
+    until that storage is freed; storages that existed before the block, and views of
+    them, are not counted. The CPU count runs every operator through a Python dispatch
+    mode, which slows the block down: do not time a measured block.
+
+    Args:
+        device: The device to measure. ``None`` means the current accelerator if one is
+            available, else the CPU. An integer is an index on the current accelerator.
+
+    Yields:
+        A :class:`PeakMemory` whose ``peak_bytes`` is set when the block exits.
+
+    Raises:
+        CheckpointConfigError: If the device keeps no memory statistics that can be read.
+
+    Example:
+        >>> with measure_peak("cpu") as peak:
+        ...     loss = model(inputs).sum()
+        ...     loss.backward()
+        >>> print(f"{peak.peak_mib:.1f} MiB")
+    """
+    resolved = _resolve_device(device)
+    result = PeakMemory(device=resolved)
+    if resolved.type == "cpu":
+        with _StorageCounter(resolved.type) as counter:
+            try:
+                yield result
+            finally:
+                result.peak_bytes = counter.peak_bytes
+        return
+    stats = _allocator_stats(resolved)
+    stats.reset_peak(resolved)
+    at_entry = stats.allocated(resolved)
+    try:
+        yield result
+    finally:
+        result.peak_bytes = max(0, stats.max_allocated(resolved) - at_entry)
+
+
+def _resolve_device(device: torch.device | str | int | None) -> torch.device:
+    """Turn the ``device`` argument into a device with an index where one applies."""
+    if device is None:
+        accelerator = torch.accelerator.current_accelerator(check_available=True)
+        if accelerator is None:
+            return torch.device("cpu")
+        device = accelerator
+    elif isinstance(device, int):
+        accelerator = torch.accelerator.current_accelerator(check_available=True)
+        if accelerator is None:
+            raise CheckpointConfigError(
+                f"measure_peak got device index {device}, but no accelerator is available; "
+                "pass a device such as 'cpu' or 'cuda:0'"
+            )
+        return torch.device(accelerator.type, device)
+    device = torch.device(device)
+    if device.type != "cpu" and device.index is None:
+        # The peak statistics are per device; pin the one that is current now so that
+        # entry and exit read the same device even if the block switches devices.
+        module = getattr(torch, device.type, None)
+        current_device = getattr(module, "current_device", None)
+        if callable(current_device):
+            device = torch.device(device.type, current_device())
+    return device
+
+
+@dataclasses.dataclass(frozen=True)
+class _AllocatorStats:
+    """The three allocator calls a device must offer to be measured by its statistics."""
+
+    reset_peak: Any
+    allocated: Any
+    max_allocated: Any
+
+
+def _allocator_stats(device: torch.device) -> _AllocatorStats:
+    """Find the allocator statistics for ``device``, or explain why there are none."""
+    if device.type == "cuda":
+        return _AllocatorStats(
+            reset_peak=torch.cuda.reset_peak_memory_stats,
+            allocated=torch.cuda.memory_allocated,
+            max_allocated=torch.cuda.max_memory_allocated,
+        )
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    if accelerator is not None and accelerator.type == device.type:
+        return _AllocatorStats(
+            reset_peak=torch.accelerator.reset_peak_memory_stats,
+            allocated=torch.accelerator.memory_allocated,
+            max_allocated=torch.accelerator.max_memory_allocated,
+        )
+    module = getattr(torch, device.type, None)
+    names = ("reset_peak_memory_stats", "memory_allocated", "max_memory_allocated")
+    functions = [getattr(module, name, None) for name in names]
+    if all(callable(function) for function in functions):
+        return _AllocatorStats(*functions)
+    raise CheckpointConfigError(
+        f"measure_peak cannot measure device {str(device)!r}: it keeps no peak memory "
+        f"statistics (torch.{device.type} lacks {', '.join(names)}). Supported: 'cpu', "
+        "'cuda' and accelerators whose device module offers those functions"
+    )
+
+
+class _StorageCounter(TorchDispatchMode):
+    """Counts the bytes of storages that operators create, from creation until freed.
+
+    Each storage is keyed by the address of its C++ object (``_cdata``). Its Python
+    object is kept by torch for as long as the C++ storage lives, so a ``weakref.finalize``
+    on it fires exactly when the memory is released, and never keeps it alive.
+    """
+
+    def __init__(self, device_type: str) -> None:
+        super().__init__()
+        self._device_type = device_type
+        # Storages counted and still alive: key -> bytes counted for it.
+        self._sizes: Dict[int, int] = {}
+        self._finalizers: Dict[int, weakref.finalize] = {}
+        # Finalizers only append here: they can fire in the middle of our own
+        # bookkeeping (a garbage collection) or on another thread, and a list append is
+        # atomic, whereas updating the running total from there could be lost.
+        self._freed: List[int] = []
+        self._lock = threading.Lock()
+        self._live = 0
+        self._closed = False
+        self.peak_bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not self._closed:
+            self._record(out, args, kwargs)
+        return out
+
+    def __exit__(self, exc_type, exc_value, traceback):
+        # Storages that outlive the block must not call back into a finished count, and
+        # detaching now lets this object be freed before they are.
+        self._closed = True
+        for finalizer in list(self._finalizers.values()):
+            finalizer.detach()
+        self._finalizers.clear()
+        self._sizes.clear()
+        return super().__exit__(exc_type, exc_value, traceback)
+
+    def _record(self, out: Any, args: Any, kwargs: Any) -> None:
+        """Count the storages among ``out`` that this operator created."""
+        input_keys: Set[int] | None = None
+        for leaf in tree_leaves(out):
+            storage = self._storage_of(leaf)
+            if storage is None:
+                continue
+            key = storage._cdata
+            nbytes = storage.nbytes()
+            with self._lock:
+                counted = self._sizes.get(key)
+                if counted is not None:
+                    if nbytes > counted:  # resized in place, e.g. by an out= operator
+                        self._sizes[key] = nbytes
+                        self._add(nbytes - counted)
+                    continue
+            if input_keys is None:
+                input_keys = self._input_keys(args, kwargs)
+            if key in input_keys:
+                # Returned an input or a view of one (in-place ops, views): no new memory.
+                # An input storage we do not count existed before the block.
+                continue
+            with self._lock:
+                if key in self._sizes:
+                    continue
+                self._sizes[key] = nbytes
+                finalizer = weakref.finalize(storage, self._release, key)
+                finalizer.atexit = False
+                self._finalizers[key] = finalizer
+                self._add(nbytes)
+
+    def _add(self, nbytes: int) -> None:
+        """Apply the frees reported so far, then the new allocation; the lock is held."""
+        while self._freed:
+            self._live -= self._freed.pop()
+        self._live += nbytes
+        if self._live > self.peak_bytes:
+            self.peak_bytes = self._live
+
+    def _release(self, key: int) -> None:
+        """Finalizer of a counted storage: report its bytes as freed."""
+        self._finalizers.pop(key, None)
+        nbytes = self._sizes.pop(key, None)
+        if nbytes is not None:
+            self._freed.append(nbytes)
+
+    def _storage_of(self, value: Any) -> torch.UntypedStorage | None:
+        """The storage behind ``value`` if it is a dense tensor on the measured device."""
+        if not isinstance(value, torch.Tensor) or value.device.type != self._device_type:
+            return None
+        try:
+            storage = value.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):
+            # Sparse tensors and wrapper subclasses have no single storage of their own.
+            return None
+        if storage.nbytes() == 0:
+            return None
+        return storage
+
+    def _input_keys(self, args: Any, kwargs: Any) -> Set[int]:
+        """Keys of the storages of every tensor among the operator's inputs."""
+        keys = set()
+        for leaf in tree_leaves((args, kwargs)):
+            if isinstance(leaf, torch.Tensor):
+                try:
+                    keys.add(leaf.untyped_storage()._cdata)
+                except (RuntimeError, NotImplementedError, TypeError):
+                    pass
+        return keys

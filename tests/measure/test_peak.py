@@ -1,0 +1,242 @@
+"""Tests of the peak memory meter, against byte counts derived from shapes and dtypes."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from ckptwrap._errors import CheckpointConfigError
+from ckptwrap.measure import PeakMemory, measure_peak
+
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.int8, torch.int64]
+
+
+def _nbytes(shape, dtype) -> int:
+    numel = 1
+    for size in shape:
+        numel *= size
+    return numel * dtype.itemsize
+
+
+# An action is ("alloc", numel, dtype index) or ("free", index into the live tensors).
+_actions = st.lists(
+    st.one_of(
+        st.tuples(st.just("alloc"), st.integers(1, 5000), st.integers(0, len(_DTYPES) - 1)),
+        st.tuples(st.just("free"), st.integers(0, 20)),
+    ),
+    min_size=1,
+    max_size=25,
+)
+
+
+@settings(max_examples=40, deadline=None)
+@given(_actions)
+def test_peak_is_max_of_running_sum_of_allocations(actions):
+    live, running, expected = [], 0, 0
+    with measure_peak("cpu") as peak:
+        for action in actions:
+            if action[0] == "alloc":
+                _, numel, dtype_index = action
+                dtype = _DTYPES[dtype_index]
+                live.append(torch.empty(numel, dtype=dtype))
+                running += _nbytes((numel,), dtype)
+                expected = max(expected, running)
+            elif live:
+                tensor = live.pop(action[1] % len(live))
+                running -= _nbytes(tensor.shape, tensor.dtype)
+                del tensor
+    assert peak.peak_bytes == expected
+
+
+def test_views_are_not_double_counted():
+    shape = (64, 32)
+    with measure_peak("cpu") as peak:
+        base = torch.empty(shape)
+        views = [base.view(-1), base[::2], base.t(), base[3], base.unsqueeze(0), base.detach()]
+        del base  # the views keep the storage alive
+        other = torch.empty(shape)
+    assert peak.peak_bytes == 2 * _nbytes(shape, torch.float32)
+    del views, other
+
+
+def test_memory_alive_before_entry_is_not_counted():
+    before = torch.ones(1000, dtype=torch.float64)
+    with measure_peak("cpu") as peak:
+        before.add_(1)
+        before.view(10, 100).mul_(2)
+        alias = before.detach()[10:]
+        product = before * 2
+    assert peak.peak_bytes == _nbytes(product.shape, product.dtype)
+    del alias
+
+
+def test_in_place_resize_counts_the_growth():
+    with measure_peak("cpu") as peak:
+        tensor = torch.empty(10)
+        tensor.resize_(1000)
+    assert peak.peak_bytes == _nbytes((1000,), torch.float32)
+
+
+def test_other_devices_are_not_counted():
+    with measure_peak("cpu") as peak:
+        torch.empty(1000, device="meta")
+        kept = torch.empty(7, dtype=torch.int64)
+    assert peak.peak_bytes == _nbytes(kept.shape, kept.dtype)
+
+
+def test_backward_allocations_are_counted():
+    leaf = torch.randn(4096, requires_grad=True)
+    loss = (leaf * 2).sum()
+    with measure_peak("cpu") as peak:
+        loss.backward()
+    grad_bytes = _nbytes(leaf.shape, leaf.dtype)
+    # The gradient plus a scalar seed; nothing else of that size is alive at once.
+    assert grad_bytes <= peak.peak_bytes < 2 * grad_bytes
+
+
+def test_counting_does_not_keep_storages_alive():
+    with measure_peak("cpu"):
+        tensor = torch.empty(1000)
+        storage_ref = weakref.ref(tensor.untyped_storage())
+        del tensor
+        gc.collect()
+        assert storage_ref() is None
+
+
+def test_storages_freed_after_exit_touch_nothing():
+    with measure_peak("cpu") as peak:
+        counter_ref = weakref.ref(_get_current_dispatch_mode())
+        survivor = torch.empty(256)
+    measured = peak.peak_bytes
+    gc.collect()
+    # The survivor's finalizer must be gone, or it would keep the counter alive.
+    assert counter_ref() is None
+    del survivor
+    gc.collect()
+    assert peak.peak_bytes == measured == _nbytes((256,), torch.float32)
+
+
+def test_nested_meters_each_count_their_own_block():
+    size = _nbytes((500,), torch.float32)
+    with measure_peak("cpu") as outer:
+        first = torch.empty(500)
+        with measure_peak("cpu") as inner:
+            second = torch.empty(500)
+            third = torch.empty(500)
+        del second, third
+    assert inner.peak_bytes == 2 * size
+    assert outer.peak_bytes == 3 * size
+    del first
+
+
+def test_result_is_filled_when_the_block_raises():
+    with pytest.raises(KeyError, match="boom"):
+        with measure_peak("cpu") as peak:
+            kept = torch.empty(100)
+            raise KeyError("boom")
+    assert peak.peak_bytes == _nbytes(kept.shape, kept.dtype)
+    assert _get_current_dispatch_mode() is None
+
+
+def _mlp(width: int, depth: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        *[
+            nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.Linear(width, width), nn.Tanh())
+            for _ in range(depth)
+        ]
+    )
+
+
+def _training_step_peak(model: nn.Sequential, inputs: torch.Tensor, checkpointed: bool) -> int:
+    model.zero_grad(set_to_none=True)
+    with measure_peak("cpu") as peak:
+        hidden = inputs
+        for layer in model:
+            if checkpointed:
+                hidden = torch_checkpoint.checkpoint(layer, hidden, use_reentrant=False)
+            else:
+                hidden = layer(hidden)
+        hidden.square().mean().backward()
+        del hidden
+    return peak.peak_bytes
+
+
+def test_checkpointing_every_layer_lowers_the_peak_of_a_training_step():
+    width, depth, batch = 64, 6, 256
+    model = _mlp(width, depth)
+    inputs = torch.randn(batch, width)
+    plain = _training_step_peak(model, inputs, checkpointed=False)
+    checkpointed = _training_step_peak(model, inputs, checkpointed=True)
+    activation = _nbytes((batch, width), torch.float32)
+    # Un-checkpointed, every layer keeps several activations of this size for backward.
+    assert plain > depth * 2 * activation
+    assert checkpointed < plain
+    # Both steps end holding every parameter gradient.
+    grad_bytes = sum(_nbytes(p.shape, p.dtype) for p in model.parameters())
+    assert checkpointed >= grad_bytes
+
+
+def test_default_device_without_accelerator_is_cpu():
+    if torch.accelerator.is_available():
+        pytest.skip("an accelerator is present, so it is the default")
+    with measure_peak() as peak:
+        kept = torch.empty(3)
+    assert peak.device == torch.device("cpu")
+    assert peak.peak_bytes == _nbytes(kept.shape, kept.dtype)
+
+
+def test_cuda_reads_the_allocator_peak_above_entry(monkeypatch):
+    calls = []
+    state = {"allocated": 1000, "max": 1000}
+
+    def reset(device):
+        calls.append(("reset", device))
+        state["max"] = state["allocated"]
+
+    def allocated(device):
+        calls.append(("allocated", device))
+        return state["allocated"]
+
+    def max_allocated(device):
+        calls.append(("max", device))
+        return state["max"]
+
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", allocated)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", max_allocated)
+    device = torch.device("cuda", 0)
+    with measure_peak(device) as peak:
+        state["max"] = 1000 + 4096  # the block's allocations, seen by the allocator
+    assert peak.peak_bytes == 4096
+    assert peak.device == device
+    assert [name for name, _ in calls] == ["reset", "allocated", "max"]
+    assert all(where == device for _, where in calls)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_peak_covers_a_known_allocation():
+    shape = (1024, 1024)
+    with measure_peak("cuda") as peak:
+        tensor = torch.empty(shape, device="cuda")
+        del tensor
+    assert peak.peak_bytes >= _nbytes(shape, torch.float32)
+
+
+def test_device_without_statistics_is_rejected():
+    with pytest.raises(CheckpointConfigError, match="'meta'.*Supported: 'cpu', 'cuda'"):
+        with measure_peak("meta"):
+            pass
+
+
+def test_result_reports_mebibytes():
+    result = PeakMemory(device=torch.device("cpu"), peak_bytes=3 * 1024 * 1024)
+    assert result.peak_mib == 3.0
