@@ -70,13 +70,6 @@ def checkpoint(
         >>> y.sum().backward()                  # block runs again here
     """
     _check_options(use_reentrant, preserve_rng_state, context_fn, determinism_check, debug, early_stop)
-    if not torch.is_grad_enabled():
-        return fn(*args, **kwargs)
-    if torch.compiler.is_compiling():
-        return _compiled_checkpoint(
-            fn, args, kwargs, use_reentrant, preserve_rng_state, context_fn,
-            determinism_check, debug, early_stop,
-        )
     if use_reentrant:
         if kwargs:
             names = ", ".join(repr(name) for name in kwargs)
@@ -90,6 +83,14 @@ def checkpoint(
                 "context_fn and debug=True need use_reentrant=False; the re-entrant engine "
                 "runs the forward without a graph and has nothing to hand them."
             )
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    if torch.compiler.is_compiling():
+        return _compiled_checkpoint(
+            fn, args, kwargs, use_reentrant, preserve_rng_state, context_fn,
+            determinism_check, debug, early_stop,
+        )
+    if use_reentrant:
         return run_reentrant(fn, args, preserve_rng_state=preserve_rng_state)
     return run_checkpointed(
         fn,

@@ -13,6 +13,8 @@ import functools
 from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._device import DeviceContext
 
 __all__ = ["DeviceState", "capture_device_state", "replayed", "devices_of"]
 
@@ -103,9 +105,6 @@ def capture_device_state(devices: Sequence[_Device], *, preserve_rng_state: bool
 
 def _current_device_context() -> Any:
     """The innermost ``with torch.device(...)`` in force, so recomputation allocates alike."""
-    from torch.overrides import _get_current_function_mode_stack
-    from torch.utils._device import DeviceContext
-
     for mode in reversed(_get_current_function_mode_stack()):
         if isinstance(mode, DeviceContext):
             return mode

@@ -65,13 +65,14 @@ class _SavedInputs:
     references, and an in-place change before backward is reported by autograd.
     """
 
-    __slots__ = ("_items", "_spec", "_kwargs")
+    __slots__ = ("_items", "_spec", "tensors")
 
     def __init__(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         if kwargs or not all(_is_simple(a) for a in args):
             leaves, self._spec = _tree.flatten((args, kwargs))
         else:
             leaves, self._spec = list(args), None
+        self.tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         self._items = [
             _make_saved_tensor(leaf, is_output=False) if isinstance(leaf, torch.Tensor) else leaf
             for leaf in leaves
@@ -296,10 +297,8 @@ def run_checkpointed(
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` so that its saved tensors are recomputed in backward."""
     inputs = _SavedInputs(args, kwargs)
-    tensors = _tree.tensor_leaves((args, kwargs)) if inputs_need_scan(args, kwargs) else list(
-        a for a in args if isinstance(a, torch.Tensor)
-    )
-    devices = _device.devices_of(tensors)
+    devices = _device.devices_of(inputs.tensors)
+    inputs.tensors = []  # only needed until the device state is captured
     cuda_was_ready = torch.cuda.is_initialized()
     state = _device.capture_device_state(devices, preserve_rng_state=preserve_rng_state)
 
@@ -343,11 +342,6 @@ def run_checkpointed(
             "preserve_rng_state=False if the region draws no random numbers on the GPU."
         )
     return output
-
-
-def inputs_need_scan(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
-    """Whether tensors may hide inside containers or keyword arguments."""
-    return bool(kwargs) or not all(_is_simple(a) for a in args)
 
 
 def _contexts_from(

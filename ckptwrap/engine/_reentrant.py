@@ -5,7 +5,8 @@ Two things differ from torch's re-entrant variant. Tensors nested in lists, dict
 dataclasses or any pytree-registered type, in the arguments and in the output, are
 flattened into the Function's inputs and outputs, so they take part in autograd. And
 when no input requires grad, an anchor input that does is added, so that parameters
-used inside the region still receive their gradients (the frozen-embedding trap).
+used inside the region still receive their gradients (the frozen-embedding trap); the
+outputs require grad exactly when the region touched a tensor that does.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from .._errors import CheckpointError
 from . import _device, _state, _tree
@@ -36,10 +38,13 @@ def _merge(tensors: Tuple[torch.Tensor, ...], rest: List[Any]) -> List[Any]:
 class _Region:
     """What the backward needs to rerun one region; filled in by the forward."""
 
-    __slots__ = ("fn", "arg_spec", "arg_leaves", "state", "out_spec", "out_leaves", "has_anchor")
+    __slots__ = (
+        "fn", "original_args", "arg_spec", "arg_leaves", "state", "out_spec", "out_leaves", "has_anchor"
+    )
 
     def __init__(self, fn: Callable[..., Any], arg_leaves: List[Any], arg_spec: Any) -> None:
         self.fn = fn
+        self.original_args: Tuple[Any, ...] = ()
         self.arg_leaves = arg_leaves  # non-tensor leaves, _TENSOR where a tensor goes
         self.arg_spec = arg_spec
         self.state: Optional[_device.DeviceState] = None
@@ -51,7 +56,7 @@ class _Region:
         return self.fn(*_tree.unflatten(_merge(tensors, self.arg_leaves), self.arg_spec))
 
 
-class _ReentrantFunction(torch.autograd.Function):
+class _ReentrantRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, region: _Region, preserve_rng_state: bool, *tensors: torch.Tensor):  # type: ignore[override]
         inputs = tensors[:-1] if region.has_anchor else tensors
@@ -61,12 +66,25 @@ class _ReentrantFunction(torch.autograd.Function):
         ctx.region = region
         ctx.save_for_backward(*inputs)
         ctx.set_materialize_grads(False)
+        # The forward gets the caller's own objects, so side effects on containers passed
+        # in (auxiliary-loss lists, caches) reach the caller; only recomputation rebuilds them.
+        args, region.original_args = region.original_args, ()
         with torch.no_grad():
-            output = region.call(inputs)
+            if region.has_anchor:
+                with _GradUseDetector() as detector:
+                    output = region.fn(*args)
+                uses_grad = detector.found
+            else:
+                output = region.fn(*args)
+                uses_grad = True
         leaves, region.out_spec = _tree.flatten(output)
         out_tensors, region.out_leaves = _split(leaves)
         ctx.mark_non_differentiable(
-            *[t for t in out_tensors if not (t.is_floating_point() or t.is_complex())]
+            *[
+                t
+                for t in out_tensors
+                if not uses_grad or not (t.is_floating_point() or t.is_complex())
+            ]
         )
         return tuple(out_tensors)
 
@@ -103,12 +121,32 @@ class _ReentrantFunction(torch.autograd.Function):
         return (None, None) + input_grads + anchor_grad
 
 
-def _may_need_anchor(fn: Callable[..., Any]) -> bool:
-    """Whether ``fn`` may use tensors that require grad which are not among its inputs."""
-    owner = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
-    if isinstance(owner, torch.nn.Module):
-        return any(p.requires_grad for p in owner.parameters())
-    return True  # a plain function may close over parameters; assume it does
+class _GradUseDetector(TorchFunctionMode):
+    """Notices whether any torch call in the region touches a tensor that requires grad.
+
+    Only runs when no input requires grad, so the cost falls on the rare first region
+    behind a frozen embedding, not on every region.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found = False
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if not self.found:
+            self.found = _any_requires_grad(args) or _any_requires_grad(kwargs.values())
+        return func(*args, **kwargs)
+
+
+def _any_requires_grad(values: Any) -> bool:
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            if value.requires_grad:
+                return True
+        elif isinstance(value, (list, tuple)) and _any_requires_grad(value):
+            return True
+    return False
 
 
 def run_reentrant(fn: Callable[..., Any], args: Tuple[Any, ...], *, preserve_rng_state: bool) -> Any:
@@ -116,8 +154,12 @@ def run_reentrant(fn: Callable[..., Any], args: Tuple[Any, ...], *, preserve_rng
     leaves, spec = _tree.flatten(args)
     tensors, rest = _split(leaves)
     region = _Region(fn, rest, spec)
-    if not any(t.requires_grad for t in tensors) and _may_need_anchor(fn):
+    region.original_args = args
+    if not any(t.requires_grad for t in tensors):
+        # The region may still use parameters that require grad; an anchor input that
+        # requires grad lets their gradients flow. If the forward touches none, the
+        # outputs are marked non-differentiable, as they would be without checkpointing.
         region.has_anchor = True
         tensors.append(torch.empty((), requires_grad=True))
-    out_tensors = _ReentrantFunction.apply(region, preserve_rng_state, *tensors)
+    out_tensors = _ReentrantRegion.apply(region, preserve_rng_state, *tensors)
     return _tree.unflatten(_merge(out_tensors, region.out_leaves), region.out_spec)

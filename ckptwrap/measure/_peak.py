@@ -211,6 +211,8 @@ class _StorageCounter(TorchDispatchMode):
                         self._add(nbytes - counted)
                     continue
             if input_keys is None:
+                # Read after the operator ran, so an in-place one that swapped its input's
+                # storage (``set_``) shows the storage that input holds now.
                 input_keys = self._input_keys(args, kwargs)
             if key in input_keys:
                 # Returned an input or a view of one (in-place ops, views): no new memory.
@@ -245,13 +247,11 @@ class _StorageCounter(TorchDispatchMode):
         if not isinstance(value, torch.Tensor) or value.device.type != self._device_type:
             return None
         try:
-            storage = value.untyped_storage()
+            # Empty storages are kept too: an ``out=`` operator may grow one later.
+            return value.untyped_storage()
         except (RuntimeError, NotImplementedError, TypeError):
             # Sparse tensors and wrapper subclasses have no single storage of their own.
             return None
-        if storage.nbytes() == 0:
-            return None
-        return storage
 
     def _input_keys(self, args: Any, kwargs: Any) -> Set[int]:
         """Keys of the storages of every tensor among the operator's inputs."""

@@ -39,6 +39,19 @@ def tensor_leaves(obj: Any) -> List[torch.Tensor]:
     return []
 
 
+def structure(obj: Any) -> Any:
+    """The shape of a nested output: container types and keys, tensor dtypes and shapes."""
+    if isinstance(obj, torch.Tensor):
+        return ("tensor", obj.dtype, tuple(obj.shape), obj.requires_grad)
+    if isinstance(obj, (tuple, list)):
+        return (type(obj).__name__, [structure(item) for item in obj])
+    if isinstance(obj, dict):
+        return ("dict", [(key, structure(value)) for key, value in obj.items()])
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return (type(obj).__name__, [(f.name, structure(getattr(obj, f.name))) for f in dataclasses.fields(obj)])
+    return ("value", obj)
+
+
 def weighted_loss(out: Any) -> torch.Tensor:
     """A scalar that depends on every element of every tensor in ``out`` with distinct weights.
 
@@ -209,6 +222,7 @@ CORPUS = [
 @dataclass
 class Result:
     outputs: Dict[str, torch.Tensor]
+    structure: Any
     grads: Dict[str, Optional[torch.Tensor]]
     buffers: Dict[str, torch.Tensor]
 
@@ -219,12 +233,13 @@ def run_case(case: Case, how: str, use_reentrant: bool = False, **options: Any) 
     built = case.build()
     torch.manual_seed(RUN_SEED)
     out = call(how, built.fn, *built.args, use_reentrant=use_reentrant, **options, **built.kwargs)
+    shape = structure(out)
     weighted_loss(out).backward()
     buffers = {}
     if built.module is not None:
         buffers = {k: b.clone() for k, b in built.module.named_buffers()}
     outputs = {str(i): t.detach().clone() for i, t in enumerate(tensor_leaves(out))}
-    return Result(outputs, grads_of(built.leaves_with_grad()), buffers)
+    return Result(outputs, shape, grads_of(built.leaves_with_grad()), buffers)
 
 
 def call(how: str, fn: Callable[..., Any], *args: Any, use_reentrant: bool = False, **kwargs: Any) -> Any:

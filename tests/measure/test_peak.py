@@ -78,11 +78,24 @@ def test_memory_alive_before_entry_is_not_counted():
     del alias
 
 
-def test_in_place_resize_counts_the_growth():
+def test_adopting_a_storage_from_before_entry_is_not_counted():
+    before = torch.ones(1000)
     with measure_peak("cpu") as peak:
-        tensor = torch.empty(10)
-        tensor.resize_(1000)
-    assert peak.peak_bytes == _nbytes((1000,), torch.float32)
+        adopter = torch.empty(0)
+        adopter.set_(before.untyped_storage())
+    assert peak.peak_bytes == 0
+    assert adopter.untyped_storage().nbytes() == _nbytes(before.shape, before.dtype)
+
+
+@pytest.mark.parametrize("start", [0, 10])
+def test_growing_a_storage_in_place_counts_the_growth(start):
+    inputs = torch.randn(1000)
+    with measure_peak("cpu") as peak:
+        grown = torch.empty(start)
+        grown.resize_(500)
+        out = torch.empty(0)  # out= grows only empty outputs without a warning
+        torch.mul(inputs, 2, out=out)
+    assert peak.peak_bytes == _nbytes((500,), torch.float32) + _nbytes(inputs.shape, inputs.dtype)
 
 
 def test_other_devices_are_not_counted():
@@ -100,6 +113,21 @@ def test_backward_allocations_are_counted():
     grad_bytes = _nbytes(leaf.shape, leaf.dtype)
     # The gradient plus a scalar seed; nothing else of that size is alive at once.
     assert grad_bytes <= peak.peak_bytes < 2 * grad_bytes
+
+
+def test_storage_finalizer_fires_when_the_memory_is_freed():
+    # The meter relies on torch keeping a storage's Python object for as long as the
+    # storage lives, so that dropping that object does not fire its finalizer early.
+    fired = []
+    tensor = torch.empty(1000)
+    weakref.finalize(tensor.untyped_storage(), fired.append, True)
+    gc.collect()
+    view = tensor[10:]
+    del tensor
+    gc.collect()
+    assert not fired
+    del view
+    assert fired == [True]
 
 
 def test_counting_does_not_keep_storages_alive():

@@ -1,0 +1,275 @@
+"""Benchmark ckptwrap's checkpoint against torch.utils.checkpoint on a GPT-style stack.
+
+Every block is checkpointed. Configurations take turns step by step (the order rotating
+each round) so that a slow spell of the machine hits all of them alike; each one's
+peak memory is measured in a separate, untimed step. Prints median step time, peak
+memory, ckptwrap's ratios to torch against the targets (time <= 1.02, memory <= 1.00),
+and whether every checkpointed configuration's gradients equal the un-checkpointed ones.
+
+    python benchmarks/engine.py [--device cuda] [--steps 7] [--warmup 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Sequence
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+
+import ckptwrap
+from ckptwrap.measure import measure_peak
+
+# The model is the examples' GPT, so that the benchmark and the demo measure the same thing.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from gpt import GPT, BlockRunner, GPTConfig, synthetic_batch  # noqa: E402
+
+_MIB = 1024 * 1024
+TIME_TARGET = 1.02
+MEMORY_TARGET = 1.00
+
+
+@dataclasses.dataclass(frozen=True)
+class Contender:
+    """One configuration of the benchmark."""
+
+    name: str
+    """Name printed in the table."""
+    runner: BlockRunner | None
+    """How each block runs; None for no checkpointing."""
+    baseline: str | None = None
+    """Name of the torch configuration that ckptwrap's is compared with, if any."""
+
+
+CONTENDERS = (
+    Contender("no checkpointing", None),
+    Contender(
+        "ckptwrap non-re-entrant",
+        lambda block, x: ckptwrap.checkpoint(block, x, use_reentrant=False),
+        baseline="torch non-re-entrant",
+    ),
+    Contender(
+        "torch non-re-entrant",
+        lambda block, x: torch_checkpoint.checkpoint(block, x, use_reentrant=False),
+    ),
+    Contender(
+        "ckptwrap re-entrant",
+        lambda block, x: ckptwrap.checkpoint(block, x, use_reentrant=True),
+        baseline="torch re-entrant",
+    ),
+    Contender(
+        "torch re-entrant",
+        lambda block, x: torch_checkpoint.checkpoint(block, x, use_reentrant=True),
+    ),
+)
+
+
+@dataclasses.dataclass
+class Measurement:
+    """What was measured for one contender."""
+
+    contender: Contender
+    peak_bytes: int = 0
+    step_ms: List[float] = dataclasses.field(default_factory=list)
+    grads: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    @property
+    def median_ms(self) -> float:
+        """Median of the timed steps, in milliseconds."""
+        return statistics.median(self.step_ms)
+
+
+def training_step(model: GPT, runner: BlockRunner | None, batch, *, seed: int) -> None:
+    """One forward and backward pass with fresh gradients and a fixed dropout seed."""
+    tokens, targets = batch
+    model.checkpoint_blocks = runner
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    model(tokens, targets).backward()
+
+
+def run_benchmark(
+    config: GPTConfig,
+    *,
+    batch_size: int,
+    steps: int,
+    warmup: int,
+    device: str = "cpu",
+    contenders: Sequence[Contender] = CONTENDERS,
+) -> List[Measurement]:
+    """Measure every contender on one shared model; the first contender is the reference.
+
+    Args:
+        config: Sizes of the GPT stack.
+        batch_size: Sequences per step.
+        steps: Timed steps per contender.
+        warmup: Untimed rounds before the timed ones.
+        device: Where to run.
+        contenders: The configurations, the un-checkpointed one first.
+
+    Returns:
+        One measurement per contender, in the order given.
+    """
+    torch.manual_seed(0)
+    model = GPT(config).to(device).train()
+    batch = synthetic_batch(config, batch_size, seed=0, device=device)
+    results = [Measurement(contender) for contender in contenders]
+    # Memory and gradients first, in steps that are never timed: the CPU meter runs
+    # every operator through Python.
+    for result in results:
+        # Free the last step's gradients first: on an accelerator, memory freed inside
+        # the block would hide as much of the block's own peak.
+        model.zero_grad(set_to_none=True)
+        with measure_peak(device) as peak:
+            training_step(model, result.contender.runner, batch, seed=0)
+        result.peak_bytes = peak.peak_bytes
+        result.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    for round_index in range(warmup + steps):
+        shift = round_index % len(results)
+        for result in results[shift:] + results[:shift]:
+            _synchronize(device)
+            start = time.perf_counter()
+            training_step(model, result.contender.runner, batch, seed=round_index + 1)
+            _synchronize(device)
+            if round_index >= warmup:
+                result.step_ms.append((time.perf_counter() - start) * 1000)
+    model.zero_grad(set_to_none=True)
+    return results
+
+
+def grads_equal(reference: Measurement, other: Measurement) -> bool:
+    """True when both have bit-identical gradients for the same parameters."""
+    return reference.grads.keys() == other.grads.keys() and all(
+        torch.equal(reference.grads[name], other.grads[name]) for name in reference.grads
+    )
+
+
+def meets_targets(results: Sequence[Measurement]) -> Dict[str, bool]:
+    """For each ckptwrap contender, whether both its ratios to torch meet the targets."""
+    by_name = {result.contender.name: result for result in results}
+    verdicts = {}
+    for result in results:
+        baseline = by_name.get(result.contender.baseline)
+        if baseline is not None:
+            time_ratio, memory_ratio = _ratios(result, baseline)
+            verdicts[result.contender.name] = time_ratio <= TIME_TARGET and memory_ratio <= MEMORY_TARGET
+    return verdicts
+
+
+def format_table(results: Sequence[Measurement]) -> str:
+    """The results as a text table; ratios are ckptwrap / torch for the same variant."""
+    by_name = {result.contender.name: result for result in results}
+    reference = results[0]
+    header = (
+        "configuration", "median ms", "min ms", "peak MiB", "time ratio", "mem ratio", "targets", "grads"
+    )
+    rows = [header]
+    for result in results:
+        time_cell = memory_cell = verdict = ""
+        baseline = by_name.get(result.contender.baseline)
+        if baseline is not None:
+            time_ratio, memory_ratio = _ratios(result, baseline)
+            time_cell, memory_cell = f"{time_ratio:.3f}", f"{memory_ratio:.3f}"
+            targets = (("time", time_ratio, TIME_TARGET), ("mem", memory_ratio, MEMORY_TARGET))
+            missed = [label for label, ratio, target in targets if ratio > target]
+            verdict = "pass" if not missed else "FAIL " + "+".join(missed)
+        if result is reference:
+            same = "reference"
+        else:
+            same = "equal" if grads_equal(reference, result) else "DIFFER"
+        rows.append(
+            (
+                result.contender.name,
+                f"{result.median_ms:.1f}",
+                f"{min(result.step_ms):.1f}",
+                f"{result.peak_bytes / _MIB:.1f}",
+                time_cell,
+                memory_cell,
+                verdict,
+                same,
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(_align(row, widths)) for row in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse the command line, run the benchmark and print the table.
+
+    Returns:
+        0, or 1 if some gradients differ (or, with ``--strict``, a target is missed).
+    """
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or another accelerator")
+    parser.add_argument("--steps", type=int, default=7, help="timed steps per configuration (>= 1)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds before timing")
+    parser.add_argument("--layers", type=int, default=12, help="transformer blocks")
+    parser.add_argument("--width", type=int, default=256, help="hidden size")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads")
+    parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per step")
+    parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)"
+    )
+    args = parser.parse_args(argv)
+    if args.threads is not None:
+        # On a machine shared with other work, fewer threads than cores keeps the
+        # threads of one operator from waiting on each other and gives steadier times.
+        torch.set_num_threads(args.threads)
+    if args.steps < 1 or args.warmup < 0:
+        parser.error(f"need --steps >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
+    try:
+        config = GPTConfig(width=args.width, heads=args.heads, layers=args.layers, seq_len=args.seq_len)
+    except ValueError as error:
+        parser.error(str(error))
+    print(
+        f"GPT stack: {config.layers} blocks, width {config.width}, {config.heads} heads, sequence "
+        f"{config.seq_len}, batch {args.batch}, every block checkpointed; {args.device}, "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}; {args.warmup} warm-up "
+        f"rounds, median of {args.steps} steps (peak memory from a separate step)"
+    )
+    started = time.perf_counter()
+    results = run_benchmark(
+        config, batch_size=args.batch, steps=args.steps, warmup=args.warmup, device=args.device
+    )
+    print(format_table(results))
+    print(f"targets: time ratio <= {TIME_TARGET:.2f}, memory ratio <= {MEMORY_TARGET:.2f} (ckptwrap / torch)")
+    print(f"total {time.perf_counter() - started:.0f} s")
+    all_equal = all(grads_equal(results[0], result) for result in results[1:])
+    if not all_equal:
+        print("error: some gradients differ from the un-checkpointed run", file=sys.stderr)
+    return 0 if all_equal and (not args.strict or all(meets_targets(results).values())) else 1
+
+
+def _ratios(result: Measurement, baseline: Measurement) -> tuple[float, float]:
+    """Time and memory of ``result`` relative to ``baseline``.
+
+    The time ratio is the median of the per-round ratios: both steps of a round ran
+    within seconds of each other, so a slow spell of a shared machine cancels out,
+    where it would not in a ratio of two medians.
+    """
+    time_ratio = statistics.median(ours / theirs for ours, theirs in zip(result.step_ms, baseline.step_ms))
+    return time_ratio, result.peak_bytes / max(baseline.peak_bytes, 1)
+
+
+def _align(row: Sequence[str], widths: Sequence[int]) -> List[str]:
+    """Left-align the first cell (a name) and right-align the others (numbers)."""
+    return [cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))]
+
+
+def _synchronize(device: str) -> None:
+    """Wait for queued device work, so that a step's time includes it."""
+    if torch.device(device).type != "cpu":
+        torch.accelerator.synchronize()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

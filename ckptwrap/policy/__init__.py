@@ -1,0 +1,43 @@
+"""Which modules to checkpoint: policy terms, the policy-string grammar and block detection.
+
+A policy selects qualified module names from a model; the marking layer (``wrap_model``)
+decides what to do with them. See :func:`parse_policy` for the string form.
+"""
+
+from ._base import Complement, Intersection, Policy, Union
+from ._blocks import find_blocks
+from ._grammar import as_policy, parse_policy
+from ._terms import (
+    All,
+    Blocks,
+    Every,
+    First,
+    Fraction,
+    Instance,
+    Last,
+    Name,
+    Nothing,
+    Predicate,
+    Type,
+)
+
+__all__ = [
+    "All",
+    "Blocks",
+    "Complement",
+    "Every",
+    "First",
+    "Fraction",
+    "Instance",
+    "Intersection",
+    "Last",
+    "Name",
+    "Nothing",
+    "Policy",
+    "Predicate",
+    "Type",
+    "Union",
+    "as_policy",
+    "find_blocks",
+    "parse_policy",
+]

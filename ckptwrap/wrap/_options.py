@@ -1,0 +1,61 @@
+"""Engine options as one frozen value, shared by the decorator, the wrapper and wrap_model."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, ContextManager, Dict, Optional, Tuple
+
+from .._errors import CheckpointConfigError
+from ..engine._api import _check_options
+
+__all__ = ["CheckpointOptions", "options_from"]
+
+_FIELDS = ("use_reentrant", "preserve_rng_state", "early_stop", "determinism_check", "context_fn", "debug")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointOptions:
+    """How each marked region is checkpointed; every field is passed to ``checkpoint``."""
+
+    use_reentrant: bool = False
+    """Use the autograd-Function engine instead of saved-tensor hooks."""
+    preserve_rng_state: bool = True
+    """Replay RNG state in the recomputation so dropout masks match."""
+    early_stop: Optional[bool] = None
+    """End recomputation once every needed tensor exists; None follows the context setting."""
+    determinism_check: str = "default"
+    """``"default"`` checks recomputed shapes, dtypes and devices; ``"none"`` does not."""
+    context_fn: Optional[Callable[[], Tuple[ContextManager, ContextManager]]] = None
+    """Contexts for forward and recomputation, e.g. selective checkpointing."""
+    debug: bool = False
+    """Add operator logs of forward and recomputation to errors."""
+
+    def __post_init__(self) -> None:
+        _check_options(
+            self.use_reentrant,
+            self.preserve_rng_state,
+            self.context_fn,
+            self.determinism_check,
+            self.debug,
+            self.early_stop,
+        )
+        if self.use_reentrant and (self.context_fn is not None or self.debug):
+            raise CheckpointConfigError(
+                "context_fn and debug=True need use_reentrant=False; the re-entrant engine "
+                "runs the forward without a graph and has nothing to hand them."
+            )
+
+    def as_kwargs(self) -> Dict[str, Any]:
+        """The options as keyword arguments for ``checkpoint``."""
+        return {name: getattr(self, name) for name in _FIELDS}
+
+
+def options_from(given: Dict[str, Any], *, where: str) -> CheckpointOptions:
+    """Build options from keyword arguments, naming unknown ones and the allowed set."""
+    unknown = sorted(set(given) - set(_FIELDS))
+    if unknown:
+        raise CheckpointConfigError(
+            f"{where} got unknown option(s) {', '.join(map(repr, unknown))}; "
+            f"allowed: {', '.join(_FIELDS)}."
+        )
+    return CheckpointOptions(**given)

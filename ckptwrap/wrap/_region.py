@@ -1,0 +1,97 @@
+"""Running a module's forward as a checkpointed region.
+
+Modules with running statistics (BatchNorm, InstanceNorm with tracking) update them in
+place during their forward; a recomputation would update them a second time. Their
+statistics are put back after each recomputation, so a training step leaves them exactly
+as the un-checkpointed step does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Dict, Iterator, List, Tuple
+
+import torch
+from torch.nn.modules.batchnorm import _NormBase
+
+from ..engine import checkpoint, is_recomputing
+from ._options import CheckpointOptions
+from ._switch import is_disabled
+
+__all__ = ["run_region"]
+
+_STAT_NAMES = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def run_region(
+    owner: Any,
+    call: Callable[..., Any],
+    args: Tuple[Any, ...],
+    kwargs: Dict[str, Any],
+    options: CheckpointOptions,
+) -> Any:
+    """Call ``call(*args, **kwargs)`` checkpointed, unless autograd or ckptwrap is off.
+
+    Args:
+        owner: The module whose forward ``call`` is, or None for a plain function.
+        call: What to run.
+        args: Positional arguments.
+        kwargs: Keyword arguments.
+        options: Engine options.
+    """
+    if not torch.is_grad_enabled() or is_disabled():
+        return call(*args, **kwargs)
+    if isinstance(owner, torch.nn.Module):
+        call = _KeepStats(owner, call)
+    if options.use_reentrant and kwargs:
+        # The re-entrant engine takes positional arguments only; handing it the keyword
+        # arguments as one dict keeps their tensors in autograd (it flattens containers).
+        return checkpoint(_KeywordsFirst(call), kwargs, *args, **options.as_kwargs())
+    return checkpoint(call, *args, **options.as_kwargs(), **kwargs)
+
+
+class _KeywordsFirst:
+    """``call`` taking its keyword arguments as a leading dict."""
+
+    __slots__ = ("call",)
+
+    def __init__(self, call: Callable[..., Any]) -> None:
+        self.call = call
+
+    def __call__(self, kwargs: Dict[str, Any], *args: Any) -> Any:
+        return self.call(*args, **kwargs)
+
+
+class _KeepStats:
+    """``call`` that leaves running statistics untouched when it runs as a recomputation."""
+
+    __slots__ = ("owner", "call")
+
+    def __init__(self, owner: torch.nn.Module, call: Callable[..., Any]) -> None:
+        self.owner = owner
+        self.call = call
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not is_recomputing():
+            return self.call(*args, **kwargs)
+        with _statistics_restored(self.owner):
+            return self.call(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _statistics_restored(module: torch.nn.Module) -> Iterator[None]:
+    saved: List[Tuple[torch.Tensor, torch.Tensor]] = []
+    for sub in module.modules():
+        if isinstance(sub, _NormBase) and sub.training and sub.track_running_stats:
+            for name in _STAT_NAMES:
+                buffer = getattr(sub, name, None)
+                if isinstance(buffer, torch.Tensor):
+                    saved.append((buffer, buffer.detach().clone()))
+    try:
+        yield
+    finally:
+        # Through .data, so the version counter does not move: the recomputed graph may
+        # have saved these buffers, and autograd would take the restore for a mutation.
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.data.copy_(value)

@@ -1,0 +1,90 @@
+"""Smoke tests: the demo and the engine benchmark run end to end at tiny sizes."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load(relative_path: str, module_name: str):
+    """Import a script that is not part of a package, by its path in the repository."""
+    examples = str(_ROOT / "examples")
+    if examples not in sys.path:
+        sys.path.insert(0, examples)  # the scripts import their sibling gpt.py
+    spec = importlib.util.spec_from_file_location(module_name, _ROOT / relative_path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses look their module up while it runs
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def train_gpt():
+    return _load("examples/train_gpt.py", "_ckptwrap_example_train_gpt")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return _load("benchmarks/engine.py", "_ckptwrap_benchmark_engine")
+
+
+def test_demo_gradients_equal_the_uncheckpointed_run(train_gpt):
+    config = train_gpt.GPTConfig(width=32, heads=2, layers=2, seq_len=16, vocab=64)
+    results = train_gpt.run(config, steps=2, batch=2)
+    assert [r.name for r in results] == list(train_gpt.CONFIGURATIONS)
+    reference = results[0]
+    assert reference.first_grads and all(g.abs().sum() > 0 for g in reference.first_grads.values())
+    for result in results[1:]:
+        assert train_gpt.grads_equal(reference.first_grads, result.first_grads), result.name
+        assert result.losses == reference.losses, result.name
+        assert 0 < result.peak_bytes
+    table = train_gpt.format_table(results)
+    assert "NO" not in table.split() and table.count("yes") == len(results) - 1
+
+
+def test_demo_detects_a_gradient_that_differs(train_gpt):
+    config = train_gpt.GPTConfig(width=32, heads=2, layers=2, seq_len=16, vocab=64)
+    results = train_gpt.run(config, steps=2, batch=2)
+    name = next(iter(results[1].first_grads))
+    results[1].first_grads[name] = results[1].first_grads[name] + 1
+    assert not train_gpt.grads_equal(results[0].first_grads, results[1].first_grads)
+    assert "NO" in train_gpt.format_table(results).split()
+
+
+def test_demo_command_line_rejects_a_single_step(train_gpt, capsys):
+    with pytest.raises(SystemExit):
+        train_gpt.main(["--steps", "1"])
+    assert "--steps must be at least 2" in capsys.readouterr().err
+
+
+def test_benchmark_runs_and_checks_gradients(bench):
+    config = bench.GPTConfig(width=32, heads=2, layers=2, seq_len=16, vocab=64)
+    results = bench.run_benchmark(config, batch_size=2, steps=1, warmup=0)
+    assert [r.contender.name for r in results] == [c.name for c in bench.CONTENDERS]
+    assert all(len(r.step_ms) == 1 and r.peak_bytes > 0 for r in results)
+    assert all(bench.grads_equal(results[0], r) for r in results[1:])
+    assert set(bench.meets_targets(results)) == {c.name for c in bench.CONTENDERS if c.baseline}
+    table = bench.format_table(results)
+    for contender in bench.CONTENDERS:
+        assert contender.name in table
+
+
+def test_gpt_config_rejects_heads_that_do_not_divide_width(train_gpt):
+    with pytest.raises(ValueError, match="width=30 and heads=4"):
+        train_gpt.GPTConfig(width=30, heads=4)
+
+
+def test_gpt_synthetic_batch_is_reproducible(train_gpt):
+    config = train_gpt.GPTConfig(seq_len=8, vocab=16)
+    first = train_gpt.synthetic_batch(config, 3, seed=5)
+    second = train_gpt.synthetic_batch(config, 3, seed=5)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    tokens, targets = first
+    assert tokens.shape == targets.shape == (3, 8)
+    assert torch.equal(tokens[:, 1:], targets[:, :-1])
