@@ -197,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"GPT: {config.layers} blocks, width {config.width}, {config.heads} heads, sequence "
         f"{config.seq_len}, batch {args.batch}, dropout {config.dropout}; {args.steps} steps "
-        f"on {args.device}, {torch.get_num_threads()} threads (peak memory of step 1, median time of "
+        f"on {args.device}, {torch.get_num_threads()} CPU threads (peak memory of step 1, median time of "
         f"steps 2-{args.steps})"
     )
     results = run(config, steps=args.steps, batch=args.batch, seed=args.seed, device=args.device)

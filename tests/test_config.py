@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 import ckptwrap
-from ckptwrap import config
+from ckptwrap import config, wrap_model
 from ckptwrap._errors import CheckpointConfigError
-from ckptwrap.wrap import CheckpointOptions, wrap_model
+from ckptwrap.wrap import CheckpointOptions
 
 
 class Layer(nn.Module):
@@ -56,6 +56,17 @@ def _parse(argv: List[str]) -> argparse.Namespace:
 @pytest.fixture(autouse=True)
 def _no_policy_in_the_environment(monkeypatch):
     monkeypatch.delenv(config.ENV_VAR, raising=False)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny models: intra-op threads only add synchronisation, costly on a busy machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 # --------------------------------------------------------------------------- argparse

@@ -134,9 +134,18 @@ class _GradUseDetector(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if not self.found:
+        if not self.found and not _is_inert(func):
             self.found = _any_requires_grad(args) or _any_requires_grad(kwargs.values())
         return func(*args, **kwargs)
+
+
+_INERT = (torch.Tensor.detach, torch.Tensor.detach_, torch.Tensor.requires_grad_)
+
+
+def _is_inert(func: Any) -> bool:
+    """Calls that touch a tensor without making anything depend on it differentiably:
+    detaching it, or reading an attribute such as ``.shape`` or ``.data``."""
+    return func in _INERT or getattr(func, "__name__", "") == "__get__"
 
 
 def _any_requires_grad(values: Any) -> bool:

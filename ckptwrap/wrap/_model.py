@@ -147,8 +147,8 @@ def _callable_modules(
         items = [item for item in items if item in modules]
         dropped.append((name, f"{type(module).__name__} is never called; taking its items instead"))
         result.extend(_callable_modules(items, modules, dropped))
-    seen = set()
-    return [name for name in result if not (name in seen or seen.add(name))]
+    order = {name: position for position, name in enumerate(modules)}
+    return sorted(set(result), key=order.__getitem__)
 
 
 def _enclosing(name: str, others: Iterable[str]) -> Optional[str]:

@@ -15,6 +15,7 @@ import torch
 from torch.nn.modules.batchnorm import _NormBase
 
 from ..engine import checkpoint, is_recomputing
+from ._clients import without_cache_writes
 from ._options import CheckpointOptions
 from ._switch import is_disabled
 
@@ -42,6 +43,7 @@ def run_region(
     if not torch.is_grad_enabled() or is_disabled():
         return call(*args, **kwargs)
     if isinstance(owner, torch.nn.Module):
+        args, kwargs = without_cache_writes(owner, args, kwargs)
         call = _KeepStats(owner, call)
     if options.use_reentrant and kwargs:
         # The re-entrant engine takes positional arguments only; handing it the keyword

@@ -248,3 +248,19 @@ def test_frozen_embedding_trap_with_other_kinds_of_region(kind):
         results[how] = grads_of(named)
     assert any(g is not None for g in results["plain"].values())
     assert_same(results["ours"], results["plain"])
+
+
+@pytest.mark.parametrize(
+    "region",
+    [
+        pytest.param(lambda x, w: x * w.detach(), id="detached"),
+        pytest.param(lambda x, w: x * w.data + w.shape[0], id="data_and_shape"),
+    ],
+)
+def test_reading_a_trainable_tensor_without_using_it_keeps_outputs_constant(region):
+    w = torch.randn(3, requires_grad=True)
+    x = torch.randn(3)
+    plain = region(x, w)
+    ours = ckptwrap.checkpoint(lambda t: region(t, w), x, use_reentrant=True)
+    assert torch.equal(ours, plain)
+    assert ours.requires_grad is plain.requires_grad is False

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import copy
 import math
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -239,9 +238,3 @@ def recompute_counts(model: nn.Module, loss_fn: Callable[[nn.Module, Any], torch
     with log.watching(model):
         step(model, loss_fn, batch)
     return log
-
-
-def plain_copy(model: nn.Module) -> nn.Module:
-    """An un-checkpointed deep copy of ``model`` (which must not be wrapped yet)."""
-    assert not marked(model)
-    return copy.deepcopy(model)

@@ -11,8 +11,8 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 import ckptwrap
+from ckptwrap import checkpointed, disabled
 from ckptwrap._errors import CheckpointConfigError
-from ckptwrap.wrap import checkpointed, disabled
 
 from ._models import Block, assert_same, grads
 

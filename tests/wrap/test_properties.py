@@ -10,8 +10,8 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from ckptwrap import plan, unwrap_model, wrap_model
 from ckptwrap.policy import find_blocks
-from ckptwrap.wrap import plan, unwrap_model, wrap_model
 
 from ._models import assert_same, grads, marked
 
@@ -165,7 +165,7 @@ def _snapshot(model: nn.Module) -> dict:
     }
 
 
-@settings(max_examples=30, deadline=None)
+@settings(deadline=None)  # example count from the profile in tests/conftest.py
 @given(case=model_and_policy(), options=OPTIONS)
 def test_wrap_then_unwrap_leaves_everything_as_it_was(case, options):
     spec, policy, model = case
@@ -187,7 +187,7 @@ def test_wrap_then_unwrap_leaves_everything_as_it_was(case, options):
         assert torch.equal(model(_input()), out_before)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(deadline=None)  # example count from the profile in tests/conftest.py
 @given(case=model_and_policy(), options=OPTIONS)
 def test_gradients_of_the_wrapped_model_equal_the_unwrapped_one(case, options):
     spec, policy, plain = case

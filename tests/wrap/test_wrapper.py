@@ -13,8 +13,8 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 import ckptwrap
+from ckptwrap import CheckpointWrapper
 from ckptwrap._errors import CheckpointConfigError
-from ckptwrap.wrap import CheckpointWrapper
 
 from ._models import Block, CallLog, ConvBlock, assert_same, grads, make
 
