@@ -233,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"GPT stack: {config.layers} blocks, width {config.width}, {config.heads} heads, sequence "
         f"{config.seq_len}, batch {args.batch}, every block checkpointed; {args.device}, "
-        f"torch {torch.__version__} with {torch.get_num_threads()} CPU threads; {args.warmup} warm-up "
+        f"torch {torch.__version__}, CPU threads: {torch.get_num_threads()}; {args.warmup} warm-up "
         f"rounds, median of {args.steps} steps (peak memory from a separate step)"
     )
     started = time.perf_counter()

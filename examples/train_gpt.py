@@ -1,11 +1,13 @@
-"""Train a small GPT with and without activation checkpointing, and compare.
+"""Train a small GPT under several activation-checkpointing policies, and compare.
 
 Every configuration starts from the same weights and the same RNG seeds, so dropout
-masks agree and the gradients must be equal bit for bit. Prints peak memory, step time
-and whether the first step's gradients equal those of the un-checkpointed run; exits
-non-zero if any differ.
+masks agree and the gradients must be equal bit for bit. Prints, per policy, how many
+modules were wrapped, peak memory, step time and whether the first step's gradients
+equal those of the un-checkpointed run; exits non-zero if any differ.
 
-    python examples/train_gpt.py --steps 6 --layers 4 --batch 8
+    python examples/train_gpt.py                                   # the demo's policies
+    python examples/train_gpt.py --activation-checkpointing every:2 --ac-use-reentrant
+    CKPTWRAP_POLICY="type:Block;last:2" python examples/train_gpt.py
 """
 
 from __future__ import annotations
@@ -20,18 +22,29 @@ from typing import Dict, List, Sequence
 
 import torch
 
-import ckptwrap
+import ckptwrap.config
+from ckptwrap.config import ActivationCheckpointingConfig
 from ckptwrap.measure import measure_peak
-from gpt import GPT, BlockRunner, GPTConfig, synthetic_batch
+from gpt import GPT, GPTConfig, synthetic_batch
 
 _MIB = 1024 * 1024
 
-#: The configurations compared, by the name printed in the table.
-CONFIGURATIONS: Dict[str, BlockRunner | None] = {
-    "no checkpointing": None,
-    "ckptwrap, non-re-entrant": lambda block, x: ckptwrap.checkpoint(block, x, use_reentrant=False),
-    "ckptwrap, re-entrant": lambda block, x: ckptwrap.checkpoint(block, x, use_reentrant=True),
-}
+
+def demo_configurations(layers: int) -> Dict[str, ActivationCheckpointingConfig]:
+    """The policies ``make demo`` compares, by the label printed in the table."""
+    last = max(1, layers // 2)
+    return {
+        spec if not reentrant else f"{spec} (re-entrant)": ckptwrap.config.from_config(
+            {"policy": spec, "use_reentrant": reentrant}
+        )
+        for spec, reentrant in (
+            ("none", False),
+            ("blocks", False),
+            ("blocks", True),
+            ("every:2", False),
+            (f"type:Block;last:{last}", False),
+        )
+    }
 
 
 @dataclasses.dataclass
@@ -39,6 +52,7 @@ class RunResult:
     """What one configuration's training run measured."""
 
     name: str
+    wrapped: int
     peak_bytes: int
     step_ms: List[float]
     first_grads: Dict[str, torch.Tensor]
@@ -51,16 +65,18 @@ class Trainer:
     Args:
         name: Name of the configuration, for the result.
         template: The model to copy; it is not changed.
-        runner: How each block is run, or None to run it plainly.
+        setting: The policy and engine options, applied with ``wrap_model``.
         device: Where to train.
     """
 
-    def __init__(self, name: str, template: GPT, runner: BlockRunner | None, *, device: str = "cpu") -> None:
+    def __init__(
+        self, name: str, template: GPT, setting: ActivationCheckpointingConfig, *, device: str = "cpu"
+    ) -> None:
         self.device = device
-        self.model = copy.deepcopy(template).to(device).train()
-        self.model.checkpoint_blocks = runner
+        self.model = setting.apply(copy.deepcopy(template).to(device).train())
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
-        self.result = RunResult(name=name, peak_bytes=0, step_ms=[], first_grads={}, losses=[])
+        wrapped = len(self.model.ckptwrap_plan)
+        self.result = RunResult(name=name, wrapped=wrapped, peak_bytes=0, step_ms=[], first_grads={}, losses=[])
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor, *, seed: int, measure: bool) -> None:
         """One training step on ``(tokens, targets)`` with dropout seeded by ``seed``.
@@ -101,7 +117,7 @@ def grads_equal(reference: Dict[str, torch.Tensor], other: Dict[str, torch.Tenso
 def format_table(results: Sequence[RunResult]) -> str:
     """The comparison table; the first result is the un-checkpointed reference."""
     reference = results[0]
-    rows = [("configuration", "peak MiB", "vs none", "median ms", "grads equal")]
+    rows = [("policy", "wrapped", "peak MiB", "vs none", "median ms", "grads equal")]
     for result in results:
         if result is reference:
             same = "(reference)"
@@ -110,6 +126,7 @@ def format_table(results: Sequence[RunResult]) -> str:
         rows.append(
             (
                 result.name,
+                str(result.wrapped),
                 f"{result.peak_bytes / _MIB:.1f}",
                 f"{result.peak_bytes / max(reference.peak_bytes, 1):.2f}",
                 f"{statistics.median(result.step_ms):.1f}",
@@ -129,7 +146,7 @@ def run(
     batch: int,
     seed: int = 0,
     device: str = "cpu",
-    configurations: Dict[str, BlockRunner | None] | None = None,
+    configurations: Dict[str, ActivationCheckpointingConfig] | None = None,
 ) -> List[RunResult]:
     """Train every configuration from the same initial weights on the same data.
 
@@ -143,8 +160,8 @@ def run(
         batch: Sequences per step.
         seed: Seed of the weights, the data and the dropout masks.
         device: Where to train.
-        configurations: Names and block runners; the first is the reference. Defaults
-            to :data:`CONFIGURATIONS`.
+        configurations: Labels and settings; the first is the reference. Defaults to
+            :func:`demo_configurations`.
 
     Returns:
         One result per configuration, in order.
@@ -156,8 +173,9 @@ def run(
         raise ValueError(f"steps must be at least 2 (one measured, one timed), got {steps}")
     torch.manual_seed(seed)
     template = GPT(config)
-    configurations = CONFIGURATIONS if configurations is None else configurations
-    trainers = [Trainer(name, template, runner, device=device) for name, runner in configurations.items()]
+    if configurations is None:
+        configurations = demo_configurations(config.layers)
+    trainers = [Trainer(name, template, setting, device=device) for name, setting in configurations.items()]
     for step in range(steps):
         tokens, targets = synthetic_batch(config, batch, seed=seed + step, device=device)
         shift = step % len(trainers)
@@ -181,6 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)"
     )
+    ckptwrap.config.add_argparse_args(parser)
     args = parser.parse_args(argv)
     if args.threads is not None:
         # On a machine shared with other work, fewer threads than cores keeps the
@@ -197,10 +216,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"GPT: {config.layers} blocks, width {config.width}, {config.heads} heads, sequence "
         f"{config.seq_len}, batch {args.batch}, dropout {config.dropout}; {args.steps} steps "
-        f"on {args.device}, {torch.get_num_threads()} CPU threads (peak memory of step 1, median time of "
+        f"on {args.device}, CPU threads: {torch.get_num_threads()} (peak memory of step 1, median time of "
         f"steps 2-{args.steps})"
     )
-    results = run(config, steps=args.steps, batch=args.batch, seed=args.seed, device=args.device)
+    chosen = ckptwrap.config.from_args(args)
+    configurations = None  # with no policy asked for, compare the demo's policies
+    if chosen.policy != "none":
+        configurations = {"none": ActivationCheckpointingConfig(), chosen.policy: chosen}
+    try:
+        results = run(
+            config, steps=args.steps, batch=args.batch, seed=args.seed, device=args.device,
+            configurations=configurations,
+        )
+    except ckptwrap.CheckpointError as error:
+        parser.error(str(error))
     print(format_table(results))
     reference = results[0].first_grads
     if all(grads_equal(reference, result.first_grads) for result in results[1:]):

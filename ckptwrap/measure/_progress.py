@@ -65,7 +65,7 @@ class ProgressBar:
         self._done = 0
         self._start = time.perf_counter()
         self._last_draw = float("-inf")
-        self._drawn = False
+        self._drawn: Optional[str] = None  # the line on screen now
 
     @property
     def done(self) -> int:
@@ -75,7 +75,7 @@ class ProgressBar:
     def update(self, steps: int = 1) -> None:
         """Advance by ``steps`` (never past the total) and redraw if it is time to."""
         self._done = min(self._done + steps, self._total)
-        if not self._enabled:
+        if not self._enabled or steps <= 0:
             return
         now = time.perf_counter()
         if self._done >= self._total or now - self._last_draw >= _MIN_INTERVAL:
@@ -87,7 +87,7 @@ class ProgressBar:
 
     def close(self) -> None:
         """Finish the line, so that later output starts on a fresh one."""
-        if self._enabled and self._drawn:
+        if self._enabled and self._drawn is not None:
             self._draw(time.perf_counter())
             self._stream.write("\n")
             self._stream.flush()
@@ -102,8 +102,12 @@ class ProgressBar:
     def _draw(self, now: float) -> None:
         filled = _WIDTH * self._done // self._total if self._total else _WIDTH
         bar = "#" * filled + " " * (_WIDTH - filled)
-        elapsed = now - self._start
-        self._stream.write(f"\r{self._label} |{bar}| {self._done}/{self._total} {elapsed:.1f}s")
+        line = f"{self._label} |{bar}| {self._done}/{self._total} {now - self._start:.1f}s"
+        if line == self._drawn:
+            return
+        # Blank out what is left of a longer line drawn before (a longer label, say).
+        padding = " " * max(len(self._drawn or "") - len(line), 0)
+        self._stream.write(f"\r{line}{padding}")
         self._stream.flush()
         self._last_draw = now
-        self._drawn = True
+        self._drawn = line

@@ -24,11 +24,15 @@ __all__ = [
     "solve_budget",
 ]
 
-# The exact gcd-based axis is used when it has at most this many steps; beyond that a
-# coarser unit trades exactness (never feasibility) for speed.
-_EXACT_STEPS = 1 << 15
-_APPROX_STEPS = 1 << 15
-# Bound on the choice bits kept for reconstruction (items x steps), i.e. on memory.
+# The exact (gcd) axis is used when it has at most _EXACT_STEPS steps; otherwise a coarser
+# unit trades exactness (never feasibility) for speed. The axis stays within torch's
+# parallel grain size (32768 elements): above it every elementwise op forks threads,
+# which on a busy machine makes each of them hundreds of times slower.
+_EXACT_STEPS = (1 << 15) - 1
+_APPROX_STEPS = 1 << 14
+# Work bound (items x steps) of the coarse axis, for the solver-time targets.
+_APPROX_CELLS = 1 << 24
+# Memory bound (items x steps) of the choice bits kept for reconstruction.
 _MAX_CELLS = 1 << 26
 _BYTE_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
 
@@ -37,13 +41,13 @@ def format_bytes(n: int) -> str:
     """A byte count in human units: ``512 B``, ``1.5 KiB``, ``12.5 MiB``, ``2.0 GiB``."""
     if abs(n) < 1024:
         return f"{n} B"
-    value = float(n)
-    for unit in _BYTE_UNITS:
-        value /= 1024
+    value = n / 1024
+    for unit in _BYTE_UNITS[:-1]:
         # Compare the rounded value, so 1048575 bytes reads "1.0 MiB", not "1024.0 KiB".
-        if abs(round(value, 1)) < 1024 or unit == _BYTE_UNITS[-1]:
+        if abs(round(value, 1)) < 1024:
             return f"{value:.1f} {unit}"
-    raise AssertionError("unreachable")
+        value /= 1024
+    return f"{value:.1f} {_BYTE_UNITS[-1]}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,8 +94,10 @@ class CostItem:
 class BudgetSolution:
     """The solver's plan.
 
-    When ``unit`` divides every size the plan is optimal; otherwise it still fits the
-    budget and its recompute time is at least the optimum (sizes were rounded to ``unit``).
+    When ``unit`` divides what each useful candidate saves (``kept - inputs``), as it does
+    when those savings span at most ~32k units, the plan is optimal. Otherwise savings were
+    rounded down to ``unit``: the plan still fits the budget, but may recompute more than
+    the optimum.
     """
 
     selected: Tuple[int, ...]
@@ -162,8 +168,8 @@ def solve_budget(items: Sequence[CostItem], budget: int, *, base: int) -> Budget
 
     Example:
         >>> items = [CostItem(f"l{i}", kept=100, inputs=10, time=1.0) for i in range(4)]
-        >>> solve_budget(items, 350, base=0).selected
-        (1, 2, 3)
+        >>> solve_budget(items, 350, base=0)
+        BudgetSolution(selected=(0, 1), predicted_peak=320, recompute_time=2.0, budget=350, unit=90)
     """
     _check_items(items)
     budget = _check_bytes(budget, "budget")
@@ -173,15 +179,11 @@ def solve_budget(items: Sequence[CostItem], budget: int, *, base: int) -> Budget
     lowest, lowest_set = _lowest_peak(items, base)
     if budget < lowest:
         raise CheckpointConfigError(
-            f"budget {format_bytes(budget)} ({budget} bytes) is below the smallest reachable "
-            f"peak {format_bytes(lowest)} ({lowest} bytes), {_describe(items, lowest_set)}; "
-            f"raise the budget to at least {format_bytes(lowest)} or offer more candidates"
+            f"budget {_exact_bytes(budget)} is below the smallest reachable peak "
+            f"{_exact_bytes(lowest)}, {_describe(items, lowest_set)}; raise the budget to at "
+            f"least {format_bytes(lowest)} or offer more candidates"
         )
     selected, unit = _Search(items, budget, base).run()
-    if unit is None:
-        unit = 1
-    if selected is None:
-        selected = lowest_set
     return BudgetSolution(
         tuple(sorted(selected)),
         _peak(items, selected, base),
@@ -251,11 +253,16 @@ def _lowest_peak(items: Sequence[CostItem], base: int) -> Tuple[int, List[int]]:
     return best, best_set
 
 
+def _exact_bytes(n: int) -> str:
+    # Rounded units alone could show a budget and a peak that differ as equal.
+    return format_bytes(n) if n < 1024 else f"{format_bytes(n)} ({n} bytes)"
+
+
 def _describe(items: Sequence[CostItem], selected: Sequence[int]) -> str:
     if not items:
         return "with no candidates to checkpoint"
     if not selected:
-        return f"reached with nothing checkpointed (no selection of the {len(items)} candidates lowers it)"
+        return "reached with nothing checkpointed (no selection of the candidates lowers it)"
     names = [items[i].name for i in sorted(selected)]
     shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
     return f"reached by checkpointing {len(names)} of {len(items)} candidates ({shown})"
@@ -284,17 +291,18 @@ class _Search:
         self.saves = [items[m].kept - items[m].inputs for m in self.order]
         self.needs = [self.excess + items[m].inputs for m in self.order]
 
-    def run(self) -> Tuple[Optional[List[int]], Optional[int]]:
-        """The best selection found (None if none) and the memory unit used."""
-        if not self.order:
-            return None, None
+    def run(self) -> Tuple[List[int], int]:
+        """The best selection found and the memory unit used.
+
+        The caller has checked that the budget is reachable and not already met, so
+        ``order`` is not empty and the lowest-peak selection fits.
+        """
+        # Savings are stored in units of their gcd and packed with the count in one int64.
+        self.grain = math.gcd(*self.saves)
         unit, exact = self._unit()
         self.unit = unit
         self.sigma = [s // unit for s in self.saves]
-        length = min(max(-(-r // unit) for r in self.needs), sum(self.sigma)) + 1
-        self.length = length
-        # Savings are stored in units of their gcd and packed with the count in one int64.
-        self.grain = math.gcd(*self.saves)
+        self.length = length = min(max(-(-r // unit) for r in self.needs), sum(self.sigma)) + 1
         self.radix = len(self.order) + 1
         if (sum(self.saves) // self.grain + 1) * self.radix >= 1 << 62:
             raise CheckpointConfigError(
@@ -313,20 +321,25 @@ class _Search:
                 best, best_at = found[0], (p, found[1])
             self._add(p)
         selected = None if best is None else self._trace(*best_at)
-        if not exact:
-            selected = self._refine(selected)
-        return selected, unit
+        if exact and selected is not None:
+            return selected, unit
+        return self._refine(selected), unit
 
     def _unit(self) -> Tuple[int, bool]:
-        """The exact unit (gcd of every saving and requirement) if its axis is short enough,
-        else a coarser one; rounding savings down and requirements up keeps plans feasible."""
+        """The gcd of the savings if its axis is short enough, else a coarser unit.
+
+        Requirements are rounded up to the unit and savings down. With the gcd that loses
+        nothing, since any sum of savings is a multiple of it; with a coarser unit it only
+        makes plans more conservative, never infeasible.
+        """
         span = min(max(self.needs), sum(self.saves))
-        steps = min(_EXACT_STEPS, max(1024, _MAX_CELLS // len(self.order)))
-        unit = math.gcd(*self.saves, *self.needs)
-        if -(-span // unit) <= steps:
+        items = len(self.order)
+        unit = self.grain
+        if -(-span // unit) <= min(_EXACT_STEPS, max(1024, _MAX_CELLS // items)):
             return unit, True
-        unit = max(unit, -(-span // min(_APPROX_STEPS, steps)))
-        return unit, all(v % unit == 0 for v in self.saves + self.needs)
+        steps = min(_APPROX_STEPS, max(1024, _APPROX_CELLS // items))
+        unit = max(unit, -(-span // steps))
+        return unit, all(v % unit == 0 for v in self.saves)
 
     def _query(self, p: int, exact: bool) -> Optional[Tuple[Tuple[float, int, int, int], int]]:
         """The best selection whose largest member is ``order[p]``: its sort key and the

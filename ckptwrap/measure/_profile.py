@@ -1,0 +1,272 @@
+"""What each candidate module costs: the bytes its forward keeps for backward, the bytes of
+its inputs and outputs, its forward time and FLOPs, and the model's total activation memory.
+
+Modules are measured one at a time, on detached copies of the inputs the model's own forward
+hands them, so profiling never holds the whole model's un-checkpointed activations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .._errors import CheckpointConfigError
+from ._profile_run import Record, Session
+from ._progress import ProgressBar, should_show
+
+__all__ = ["ModuleCost", "ModelProfile", "profile_modules"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleCost:
+    """What one candidate module costs in one forward of the model.
+
+    A module that runs several times in one forward (a shared block) gets the sum over its
+    calls in every figure, and ``calls`` says how many there were.
+    """
+
+    name: str
+    """Qualified name, as in ``model.named_modules()``."""
+    kind: str
+    """Class name of the module."""
+    kept_bytes: int
+    """Bytes of the distinct storages its forward saves for backward, other than the model's
+    parameters and buffers, the model's inputs and the module's own inputs."""
+    input_bytes: int
+    """Bytes of the distinct storages of its tensor inputs (args and kwargs, nested), other
+    than parameters and buffers; a checkpoint of the module keeps these."""
+    output_bytes: int
+    """Bytes of the distinct storages of its tensor outputs, other than parameters and buffers."""
+    forward_time: float
+    """Seconds for its forward with autograd on: the median over the repeats."""
+    flops: int
+    """Floating-point operations of its forward, as ``FlopCounterMode`` counts them."""
+    called: bool = True
+    """False if the model's forward never called it; every figure is then zero."""
+    calls: int = 1
+    """How many times the model's forward called it (recursive calls of itself not counted)."""
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The fields as a JSON-friendly dict."""
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelProfile:
+    """The costs of the candidate modules of one model on one example input.
+
+    ``total_activation_bytes == base_bytes + sum of kept_bytes`` over the candidates whose
+    calls are not nested inside another candidate's call.
+    """
+
+    modules: Tuple[ModuleCost, ...]
+    """One cost per candidate, in the order of ``model.named_modules()``."""
+    total_activation_bytes: int
+    """Bytes of the distinct storages a plain forward with autograd on saves for backward,
+    other than parameters, buffers and the model's inputs."""
+    base_bytes: int
+    """The part of the total that no candidate keeps: storages saved outside the candidates,
+    and candidate inputs that the candidates save (a checkpoint would keep those as well)."""
+    _index: Dict[str, ModuleCost] = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "modules", tuple(self.modules))
+        object.__setattr__(self, "_index", {cost.name: cost for cost in self.modules})
+
+    def __getitem__(self, name: str) -> ModuleCost:
+        try:
+            return self._index[name]
+        except KeyError:
+            shown = ", ".join(repr(cost.name) for cost in self.modules[:5])
+            more = ", ..." if len(self.modules) > 5 else ""
+            raise KeyError(f"{name!r} was not profiled; profiled modules: {shown}{more}") from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._index
+
+    def to_dict(self) -> Dict[str, Any]:
+        """A JSON-friendly dict that :meth:`from_dict` turns back into an equal profile."""
+        return {
+            "modules": [cost.to_dict() for cost in self.modules],
+            "total_activation_bytes": self.total_activation_bytes,
+            "base_bytes": self.base_bytes,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ModelProfile":
+        """Rebuild a profile from :meth:`to_dict` output (for example, loaded from JSON)."""
+        return cls(
+            modules=tuple(ModuleCost(**cost) for cost in data["modules"]),
+            total_activation_bytes=int(data["total_activation_bytes"]),
+            base_bytes=int(data["base_bytes"]),
+        )
+
+
+def profile_modules(
+    model: nn.Module,
+    names: Sequence[str],
+    args: Any = (),
+    kwargs: Optional[Mapping[str, Any]] = None,
+    *,
+    repeats: int = 3,
+    progress: Optional[bool] = None,
+) -> ModelProfile:
+    """Measure what each named module costs in one forward of ``model``.
+
+    The model runs as it is, in its current train or eval mode: profile a training model in
+    train mode. Each candidate is measured when the model's own forward reaches it: its
+    inputs are detached and copied, and the module's ``forward`` alone runs on them with
+    autograd on, under a saved-tensors hook that collects the storages it saves, and under
+    ``FlopCounterMode``; its outputs are dropped at once, and the real call then runs with
+    autograd off. The rest of the forward runs with autograd on, so that what is saved
+    outside the candidates is counted too. Memory thus never exceeds the activations outside
+    the candidates plus those of one candidate. A second forward, with autograd off, times
+    each candidate's forward ``repeats`` times with autograd on.
+
+    Bytes are counted per storage, never per tensor: a saved view keeps its whole storage,
+    and storages shared by several saved tensors (``q``, ``k``, ``v`` split from one
+    projection) count once. A candidate nested in another is measured on its own as well;
+    inside the outer one it runs with autograd off, so whether its inputs would need grad
+    is guessed (they do if anything in the model does). A module that calls itself is
+    measured at its outermost call only; one called several times gets the sum of its calls.
+
+    Afterwards the model is as it was: training flags, buffers (BatchNorm running statistics)
+    and the CPU and accelerator RNG states are restored, so the next training step draws the
+    same dropout masks as it would have without profiling.
+
+    Args:
+        model: The model to profile. Profile it unwrapped: a checkpointed module keeps
+            less than it would otherwise.
+        names: Qualified names (from ``model.named_modules()``) of the candidate modules.
+        args: Positional example inputs of ``model``'s forward (a single tensor is allowed).
+        kwargs: Keyword example inputs of ``model``'s forward.
+        repeats: How many timed runs each candidate call gets (the median is kept); ``0``
+            skips timing and leaves every ``forward_time`` at zero.
+        progress: ``True`` or ``False`` to force a progress bar on standard error on or off;
+            ``None`` draws one only on a terminal and for more than about twenty candidates.
+
+    Returns:
+        A :class:`ModelProfile` with one :class:`ModuleCost` per name, in model order.
+
+    Raises:
+        CheckpointConfigError: If a name is not in ``model.named_modules()``, ``names`` is a
+            single string or holds something else than strings, or ``repeats`` is not a
+            non-negative integer.
+
+    Example:
+        >>> profile = profile_modules(model, ["layers.0", "layers.1"], (tokens,))
+        >>> profile["layers.0"].kept_bytes, profile.total_activation_bytes
+    """
+    if not isinstance(model, nn.Module):
+        raise CheckpointConfigError(
+            f"profile_modules needs an nn.Module, got {type(model).__name__}"
+        )
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 0:
+        raise CheckpointConfigError(f"repeats must be an integer >= 0, got {repeats!r}")
+    targets = _resolve_targets(model, names)
+    args = (args,) if isinstance(args, torch.Tensor) else tuple(args)
+    kwargs = dict(kwargs or {})
+    passes = 2 if repeats else 1
+    bar = ProgressBar(
+        len(targets) * passes,
+        label="profiling memory",
+        enabled=should_show(progress, len(targets)),
+    )
+    session = Session(model, targets, args, kwargs, repeats=repeats, bar=bar)
+    state = _ModelState(model)
+    grad_mode = torch.is_grad_enabled()
+    try:
+        session.run()
+    finally:
+        torch.set_grad_enabled(grad_mode)
+        session.start_rng.restore()
+        state.restore()
+        bar.close()
+    # Calls nested in another candidate's call are inside that one's kept bytes already.
+    kept = sum(record.outer_kept for record in session.records)
+    return ModelProfile(
+        modules=tuple(_cost(record) for record in session.records),
+        total_activation_bytes=session.base_bytes + kept,
+        base_bytes=session.base_bytes,
+    )
+
+
+def _resolve_targets(model: nn.Module, names: Sequence[str]) -> List[Tuple[str, nn.Module]]:
+    """Check ``names`` against the model and return them, without repeats, in model order."""
+    if isinstance(names, str):
+        raise CheckpointConfigError(
+            f"names must be a sequence of qualified module names, got the string {names!r}; "
+            f"pass [{names!r}] to profile one module"
+        )
+    names = list(names)
+    odd = [name for name in names if not isinstance(name, str)]
+    if odd:
+        raise CheckpointConfigError(
+            f"names must be qualified module names (strings), got {odd[0]!r} among them"
+        )
+    modules = dict(model.named_modules())
+    wanted = list(dict.fromkeys(names))
+    unknown = [name for name in wanted if name not in modules]
+    if unknown:
+        raise CheckpointConfigError(_unknown_names_message(model, unknown, list(modules)))
+    order = {name: index for index, name in enumerate(modules)}
+    return [(name, modules[name]) for name in sorted(wanted, key=order.__getitem__)]
+
+
+def _unknown_names_message(model: nn.Module, unknown: List[str], valid: List[str]) -> str:
+    shown = ", ".join(repr(name) for name in unknown[:5])
+    if len(unknown) > 5:
+        shown += f" and {len(unknown) - 5} more"
+    close: List[str] = []
+    for name in unknown[:3]:
+        close += difflib.get_close_matches(name, valid, n=3)
+    if close:
+        hint = "did you mean " + ", ".join(repr(name) for name in dict.fromkeys(close)) + "?"
+    else:
+        hint = "valid names include " + ", ".join(repr(name) for name in valid[1:6] or valid)
+    return (
+        f"profile_modules got module names not in {type(model).__name__}.named_modules(): "
+        f"{shown}; {hint} ({len(valid)} modules in all, '' is the model itself)"
+    )
+
+
+def _cost(record: Record) -> ModuleCost:
+    return ModuleCost(
+        name=record.name,
+        kind=type(record.module).__name__,
+        kept_bytes=record.kept,
+        input_bytes=record.inputs,
+        output_bytes=record.outputs,
+        forward_time=record.time,
+        flops=record.flops,
+        called=record.calls > 0,
+        calls=record.calls,
+    )
+
+
+class _ModelState:
+    """Training flags and buffers of every submodule, to undo what profiling forwards change
+    (BatchNorm running statistics, for one)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        modules = list(model.modules())
+        self._training = [(module, module.training) for module in modules]
+        with torch.no_grad():
+            self._buffers = [
+                (module, name, buffer, buffer.clone())
+                for module in modules
+                for name, buffer in module._buffers.items()
+                if buffer is not None
+            ]
+
+    def restore(self) -> None:
+        for module, training in self._training:
+            module.training = training
+        with torch.no_grad():
+            for module, name, buffer, saved in self._buffers:
+                module._buffers[name] = buffer
+                buffer.copy_(saved)
