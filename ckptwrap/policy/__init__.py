@@ -7,6 +7,7 @@ decides what to do with them. See :func:`parse_policy` for the string form.
 from ._base import Complement, Intersection, Policy, Union
 from ._blocks import find_blocks
 from ._grammar import as_policy, parse_policy
+from ._modifiers import DEFAULT_SELECTIVE_OPS, Budget, Offload, Selective, split_modifiers
 from ._terms import (
     All,
     Blocks,
@@ -23,6 +24,11 @@ from ._terms import (
 
 __all__ = [
     "All",
+    "Budget",
+    "DEFAULT_SELECTIVE_OPS",
+    "Offload",
+    "Selective",
+    "split_modifiers",
     "Blocks",
     "Complement",
     "Every",

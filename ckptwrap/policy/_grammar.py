@@ -15,6 +15,7 @@ from torch import nn
 
 from .._errors import CheckpointConfigError
 from ._base import Policy, _PolicyNotImplemented
+from ._modifiers import Budget, Offload, Selective
 from ._terms import (
     All,
     Blocks,
@@ -50,6 +51,9 @@ class _Syntax:
     build: Callable[[Optional[str]], Policy]
     """Builds the term from its value (None for terms that take no value)."""
 
+    optional: bool = False
+    """Whether the value may be left out (``selective`` alone uses default operators)."""
+
     @property
     def takes_value(self) -> bool:
         return ":" in self.usage
@@ -80,11 +84,10 @@ def _type(value: str) -> Policy:
     return Type(tuple(name.strip() for name in value.split(",")))
 
 
-def _budget(value: str) -> Policy:
-    raise _PolicyNotImplemented(
-        f"the policy term 'budget:{value}' is not implemented yet; choose modules with "
-        f"'blocks', 'every:N', 'fraction:P', 'type:NAME' or 'name:GLOB' for now"
-    )
+def _selective(value: Optional[str]) -> Policy:
+    if value is None:
+        return Selective()
+    return Selective(tuple(name.strip() for name in value.split(",")))
 
 
 _SYNTAX: Dict[str, _Syntax] = {
@@ -97,7 +100,9 @@ _SYNTAX: Dict[str, _Syntax] = {
     "first": _Syntax("first:K", _count("first", "K", First)),
     "last": _Syntax("last:K", _count("last", "K", Last)),
     "fraction": _Syntax("fraction:P", _fraction),
-    "budget": _Syntax("budget:X", _budget),
+    "budget": _Syntax("budget:X", Budget),
+    "selective": _Syntax("selective[:OP,...]", _selective, optional=True),
+    "offload": _Syntax("offload", lambda _: Offload()),
 }
 
 _VALID_TERMS = ", ".join(syntax.usage for syntax in _SYNTAX.values())
@@ -112,7 +117,9 @@ def parse_policy(spec: str) -> Policy:
     blocks if there is no set term). Whitespace around terms and values is ignored;
     keywords and class names are case-sensitive. ``none`` with other terms selects
     nothing (the others are still checked against the model, so typos surface).
-    ``budget:X`` is reserved and not implemented yet.
+    ``budget:X`` (choose among the candidates from measured costs so activation memory
+    fits X), ``selective[:OP,...]`` and ``offload`` (how the chosen modules save memory)
+    join with ``;`` only; :func:`ckptwrap.plan` acts on them.
 
     Args:
         spec: The policy string, e.g. ``"blocks"`` or ``"type:GPT2Block;last:6"``.
@@ -123,7 +130,6 @@ def parse_policy(spec: str) -> Policy:
     Raises:
         CheckpointConfigError: If the string is empty, names an unknown term, lacks a
             value a term needs, or has a malformed or out-of-range number.
-        NotImplementedError: For ``budget:X`` (also a :class:`CheckpointError`).
 
     Example:
         >>> parse_policy("type:GPT2Block; last:6")
@@ -203,6 +209,8 @@ def _parse_term(text: str) -> Policy:
         raise CheckpointConfigError(
             f"unknown term {text!r}{_suggest(keyword)}; valid terms: {_VALID_TERMS}"
         )
+    if syntax.optional and not colon:
+        return syntax.build(None)
     if not syntax.takes_value:
         if colon:
             raise CheckpointConfigError(

@@ -8,17 +8,22 @@ and after unwrapping.
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
+import torch
 from torch import nn
 
 from .._errors import CheckpointConfigError
-from ..policy import as_policy
+from ..policy import Offload, Selective, as_policy, split_modifiers
+from ._costs import as_example, measure_and_choose
+from ._selective import SelectiveContexts
 from ._decorator import decorator_options
 from ._options import CheckpointOptions, options_from
 from ._plan import Plan, PlanEntry
-from ._region import run_region
+from ._region import run_offloaded, run_region
 from ._wrapper import CheckpointWrapper
 
 __all__ = ["wrap_model", "unwrap_model", "plan", "PLAN_ATTRIBUTE"]
@@ -33,14 +38,19 @@ class _CheckpointedForward:
     copying rebuild it around the copied module.
     """
 
-    __slots__ = ("_module", "options", "previous", "__weakref__")
+    __slots__ = ("_module", "options", "previous", "offload", "__weakref__")
 
     def __init__(
-        self, module: nn.Module, options: CheckpointOptions, previous: Optional[Callable[..., Any]]
+        self,
+        module: nn.Module,
+        options: CheckpointOptions,
+        previous: Optional[Callable[..., Any]],
+        offload: bool = False,
     ) -> None:
         self._module = weakref.ref(module)
         self.options = options
         self.previous = previous  # an instance-level forward someone else had set, if any
+        self.offload = offload
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self._module()
@@ -49,10 +59,12 @@ class _CheckpointedForward:
                 "This forward belongs to a module that no longer exists; call the module itself."
             )
         call = self.previous if self.previous is not None else type(module).forward.__get__(module)
+        if self.offload:
+            return run_offloaded(module, call, args, kwargs)
         return run_region(module, call, args, kwargs, self.options)
 
     def __reduce__(self) -> Tuple[Any, ...]:
-        return (_CheckpointedForward, (self._module(), self.options, self.previous))
+        return (_CheckpointedForward, (self._module(), self.options, self.previous, self.offload))
 
     def __repr__(self) -> str:
         module = self._module()
@@ -73,7 +85,15 @@ def _marking(module: nn.Module) -> Optional[Tuple[str, CheckpointOptions]]:
     return None
 
 
-def plan(model: nn.Module, policy: Any = "blocks", *, nested: bool = False, **options: Any) -> Plan:
+def plan(
+    model: nn.Module,
+    policy: Any = "blocks",
+    *,
+    nested: bool = False,
+    example_inputs: Any = None,
+    example_kwargs: Optional[Dict[str, Any]] = None,
+    **options: Any,
+) -> Plan:
     """What :func:`wrap_model` would do with these arguments, without changing ``model``.
 
     Args:
@@ -83,10 +103,17 @@ def plan(model: nn.Module, policy: Any = "blocks", *, nested: bool = False, **op
             or a policy object.
         nested: Keep selected modules that lie inside other selected (or already
             checkpointed) modules, as nested checkpoints. By default they are left out.
+        example_inputs: Positional inputs of one training forward (a tensor or a tuple).
+            Given, the candidates are profiled on them and the plan carries predicted
+            memory and time; a ``budget:`` policy needs them. The model runs as it is
+            (profile a training model in train mode); its state is left unchanged.
+        example_kwargs: Keyword inputs of that forward.
         **options: Engine options of :func:`ckptwrap.checkpoint`.
 
     Returns:
-        The plan: selected qualified names with their classes, and what was left out, why.
+        The plan: selected qualified names with their classes, what was left out and why,
+        and, when measured, predicted memory saved and recompute time per module and in
+        total.
 
     Raises:
         CheckpointConfigError: The policy or an option is not valid for this model, or a
@@ -98,7 +125,9 @@ def plan(model: nn.Module, policy: Any = "blocks", *, nested: bool = False, **op
         raise CheckpointConfigError(f"nested must be True or False, got {nested!r}.")
     resolved = options_from(options, where="wrap_model")
     policy_object = as_policy(policy)
-    names = policy_object.select(model)
+    rest, budget, tier = split_modifiers(policy_object)
+    tier_name, ops, resolved = _apply_tier(tier, resolved)
+    names = rest.select(model)
     modules = dict(model.named_modules())
     existing = [name for name, module in modules.items() if name and _marking(module) is not None]
 
@@ -129,7 +158,43 @@ def plan(model: nn.Module, policy: Any = "blocks", *, nested: bool = False, **op
                 )
                 continue
         selected.append(PlanEntry(name, type(module).__name__))
-    return Plan(str(policy_object), resolved, tuple(selected), tuple(dropped), nested)
+    common = dict(
+        policy=str(policy_object), options=resolved, nested=nested, tier=tier_name, selective_ops=ops
+    )
+    if budget is None and example_inputs is None and example_kwargs is None:
+        return Plan(selected=tuple(selected), dropped=tuple(dropped), **common)
+    if example_inputs is None and example_kwargs is None:
+        raise CheckpointConfigError(
+            f"{budget.describe()} chooses modules from measured costs, so plan() needs "
+            f"example_inputs=(...) for one training forward of {type(model).__name__}; "
+            f"wrap_model without them measures on the first training forward instead."
+        )
+    args, kwargs = as_example(example_inputs, example_kwargs)
+    choice = measure_and_choose(model, selected, budget, args, kwargs)
+    return Plan(
+        selected=tuple(choice.entries),
+        dropped=tuple(dropped + choice.dropped),
+        budget=choice.budget,
+        activation_bytes=choice.activation_bytes,
+        predicted_peak=choice.predicted_peak,
+        **common,
+    )
+
+
+def _apply_tier(
+    tier: Any, options: CheckpointOptions
+) -> Tuple[str, Tuple[str, ...], CheckpointOptions]:
+    """The tier's name, its operators, and the engine options that carry it out."""
+    if isinstance(tier, Offload):
+        return "offload", (), options
+    if isinstance(tier, Selective):
+        if options.use_reentrant or options.context_fn is not None:
+            raise CheckpointConfigError(
+                f"{tier.describe()} runs on the non-re-entrant engine through context_fn; "
+                f"drop use_reentrant=True and context_fn, or drop the selective term."
+            )
+        return "selective", tier.ops, dataclasses.replace(options, context_fn=SelectiveContexts(tier.ops))
+    return "recompute", (), options
 
 
 def _callable_modules(
@@ -155,17 +220,31 @@ def _enclosing(name: str, others: Iterable[str]) -> Optional[str]:
     return next((other for other in others if name.startswith(other + ".")), None)
 
 
-def wrap_model(model: nn.Module, policy: Any = "blocks", *, nested: bool = False, **options: Any) -> nn.Module:
+def wrap_model(
+    model: nn.Module,
+    policy: Any = "blocks",
+    *,
+    nested: bool = False,
+    example_inputs: Any = None,
+    example_kwargs: Optional[Dict[str, Any]] = None,
+    **options: Any,
+) -> nn.Module:
     """Checkpoint the submodules ``policy`` selects, in place, and return the model.
 
     No qualified name, state-dict key, module type or optimizer state changes. Modules
     already checkpointed are left as they are, so wrapping twice is a no-op. The applied
     plan is kept as ``model.ckptwrap_plan``. On error the model is left unchanged.
 
+    A ``budget:`` policy needs measured costs: with ``example_inputs`` they are measured
+    now; without, on the model's first training forward (with autograd on), which then
+    applies the plan before running on and says so once.
+
     Args:
         model: The model to change in place.
-        policy: See :func:`plan`.
+        policy: See :func:`plan`; also ``budget:X``, ``selective[:OP,...]``, ``offload``.
         nested: See :func:`plan`.
+        example_inputs: See :func:`plan`.
+        example_kwargs: See :func:`plan`.
         **options: Engine options of :func:`ckptwrap.checkpoint`.
 
     Returns:
@@ -178,13 +257,84 @@ def wrap_model(model: nn.Module, policy: Any = "blocks", *, nested: bool = False
         >>> model = wrap_model(AutoModelForCausalLM.from_config(cfg), "every:2")
         >>> print(model.ckptwrap_plan)
     """
-    applied = plan(model, policy, nested=nested, **options)
+    measure_later = (
+        example_inputs is None
+        and example_kwargs is None
+        and split_modifiers(as_policy(policy))[1] is not None
+    )
+    if measure_later:
+        # Everything that can be checked without costs is checked now.
+        pending = plan(model, _without_budget(policy), nested=nested, **options)
+        _remove_pending(model)
+        model.register_forward_pre_hook(
+            _PlanOnFirstForward(policy, nested, options), with_kwargs=True
+        )
+        setattr(model, PLAN_ATTRIBUTE, dataclasses.replace(pending, policy=str(as_policy(policy)), pending=True))
+        return model
+    applied = plan(
+        model, policy, nested=nested, example_inputs=example_inputs,
+        example_kwargs=example_kwargs, **options,
+    )
+    _apply(model, applied)
+    return model
+
+
+def _apply(model: nn.Module, applied: Plan) -> None:
     modules = dict(model.named_modules())
+    offload = applied.tier == "offload"
     for entry in applied.selected:
         module = modules[entry.name]
-        module.forward = _CheckpointedForward(module, applied.options, module.__dict__.get("forward"))
+        module.forward = _CheckpointedForward(
+            module, applied.options, module.__dict__.get("forward"), offload
+        )
     setattr(model, PLAN_ATTRIBUTE, applied)
-    return model
+
+
+def _without_budget(policy: Any) -> Any:
+    from ..policy import Intersection
+
+    rest, _, tier = split_modifiers(as_policy(policy))
+    return rest if tier is None else Intersection(sets=(rest,) if not rest._is_picker else (),
+                                                   pickers=((rest,) if rest._is_picker else ()) + (tier,))
+
+
+class _PlanOnFirstForward:
+    """Forward pre-hook: measure on the first training forward, plan, wrap, then go away."""
+
+    def __init__(self, policy: Any, nested: bool, options: Dict[str, Any]) -> None:
+        self.policy = policy
+        self.nested = nested
+        self.options = options
+        self.busy = False
+
+    def __call__(self, model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        if self.busy or not torch.is_grad_enabled() or not model.training:
+            return None
+        self.busy = True  # profiling runs the model's forward again
+        try:
+            applied = plan(
+                model, self.policy, nested=self.nested, example_inputs=args,
+                example_kwargs=kwargs, **self.options,
+            )
+        finally:
+            self.busy = False
+        _remove_pending(model)
+        _apply(model, applied)
+        warnings.warn(
+            f"ckptwrap measured {type(model).__name__} on its first training forward and "
+            f"applied {applied.policy!r}: {len(applied)} module(s) checkpointed, "
+            f"{(applied.predicted_peak or 0) / 2**20:.1f} MiB of activations predicted at the peak "
+            f"(model.ckptwrap_plan has the details).",
+            stacklevel=2,
+        )
+        return None
+
+
+def _remove_pending(model: nn.Module) -> None:
+    for key, hook in list(model._forward_pre_hooks.items()):
+        if isinstance(hook, _PlanOnFirstForward):
+            del model._forward_pre_hooks[key]
+            model._forward_pre_hooks_with_kwargs.pop(key, None)
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -208,5 +358,6 @@ def unwrap_model(model: nn.Module) -> nn.Module:
                 module.forward = forward.previous
             else:
                 del module.forward
+    _remove_pending(model)
     model.__dict__.pop(PLAN_ATTRIBUTE, None)
     return model

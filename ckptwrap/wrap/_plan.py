@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator, List, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ._options import CheckpointOptions
 
 __all__ = ["Plan", "PlanEntry"]
+
+_MIB = float(1 << 20)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -18,6 +20,10 @@ class PlanEntry:
     """Qualified name in the model."""
     kind: str
     """Class name of the module."""
+    saved_bytes: Optional[int] = None
+    """Predicted activation memory saved: what its forward keeps minus its inputs (measured)."""
+    recompute_time: Optional[float] = None
+    """Predicted extra time per step, seconds: its measured forward time."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +31,8 @@ class Plan:
     """The modules a policy selects in one model, and those it left out, with reasons.
 
     Iterating a plan yields the selected qualified names in model order; ``print(plan)``
-    shows a table.
+    shows a table. Plans made from measured costs (a ``budget:`` policy, or
+    ``example_inputs``) also carry predictions per module and in total.
     """
 
     policy: str
@@ -38,11 +45,35 @@ class Plan:
     """(qualified name, reason) for modules the policy matched but the plan leaves out."""
     nested: bool = False
     """Whether selected modules inside other selected modules are kept (nested checkpoints)."""
+    tier: str = "recompute"
+    """How the selected modules save memory: ``recompute``, ``selective`` or ``offload``."""
+    selective_ops: Tuple[str, ...] = ()
+    """Operators whose outputs are saved, for the ``selective`` tier."""
+    budget: Optional[int] = None
+    """The activation-memory budget in bytes, for a ``budget:`` policy."""
+    activation_bytes: Optional[int] = None
+    """Measured activation memory of the un-checkpointed model, bytes."""
+    predicted_peak: Optional[int] = None
+    """Predicted activation memory at the peak with this plan, bytes."""
+    pending: bool = False
+    """True while the plan waits for the first training forward to measure costs."""
 
     @property
     def names(self) -> List[str]:
         """Selected qualified names, in model order."""
         return [entry.name for entry in self.selected]
+
+    @property
+    def recompute_time(self) -> Optional[float]:
+        """Predicted extra time per step, seconds (sum over the selected modules)."""
+        times = [entry.recompute_time for entry in self.selected]
+        return None if any(t is None for t in times) else float(sum(times))  # type: ignore[arg-type]
+
+    @property
+    def saved_bytes(self) -> Optional[int]:
+        """Predicted activation memory saved in total, bytes (before the recompute peak)."""
+        saved = [entry.saved_bytes for entry in self.selected]
+        return None if any(s is None for s in saved) else int(sum(saved))  # type: ignore[arg-type]
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)
@@ -50,26 +81,80 @@ class Plan:
     def __len__(self) -> int:
         return len(self.selected)
 
+    def to_dict(self) -> Dict[str, Any]:
+        """A JSON-friendly description of the plan."""
+        options = {
+            name: value
+            for name, value in self.options.as_kwargs().items()
+            if name != "context_fn"
+        }
+        return {
+            "policy": self.policy,
+            "options": options,
+            "tier": self.tier,
+            "selective_ops": list(self.selective_ops),
+            "nested": self.nested,
+            "pending": self.pending,
+            "selected": [dataclasses.asdict(entry) for entry in self.selected],
+            "dropped": [{"name": name, "reason": reason} for name, reason in self.dropped],
+            "budget": self.budget,
+            "activation_bytes": self.activation_bytes,
+            "predicted_peak": self.predicted_peak,
+            "saved_bytes": self.saved_bytes,
+            "recompute_time": self.recompute_time,
+        }
+
     def __str__(self) -> str:
-        lines = [f"ckptwrap plan for policy {self.policy!r}: {len(self.selected)} module(s)"]
+        head = f"ckptwrap plan for policy {self.policy!r}: {len(self.selected)} module(s)"
+        if self.pending:
+            head += " (pending: costs are measured on the first training forward)"
+        lines = [head]
         changed = {
             name: value
             for name, value in self.options.as_kwargs().items()
             if value != getattr(CheckpointOptions, name)
+            and not (name == "context_fn" and self.tier == "selective")
         }
+        if self.tier != "recompute":
+            changed["tier"] = self.tier + (f" ({', '.join(self.selective_ops)})" if self.selective_ops else "")
         if changed:
-            lines.append("options: " + ", ".join(f"{k}={v!r}" for k, v in changed.items()))
-        lines += _table(("module", "class"), [(e.name, e.kind) for e in self.selected])
+            lines.append("options: " + ", ".join(f"{k}={v}" for k, v in changed.items()))
+        measured = self.selected and all(e.saved_bytes is not None for e in self.selected)
+        if measured:
+            rows = [
+                (e.name, e.kind, f"{e.saved_bytes / _MIB:.2f}", f"{e.recompute_time * 1e3:.2f}")
+                for e in self.selected
+            ]
+            rows.append(("total", "", f"{self.saved_bytes / _MIB:.2f}", f"{self.recompute_time * 1e3:.2f}"))
+            lines += _table(("module", "class", "saves MiB", "recompute ms"), rows)
+        else:
+            lines += _table(("module", "class"), [(e.name, e.kind) for e in self.selected])
+        if self.activation_bytes is not None and self.predicted_peak is not None:
+            summary = (
+                f"activation memory: {self.activation_bytes / _MIB:.2f} MiB without checkpointing, "
+                f"{self.predicted_peak / _MIB:.2f} MiB predicted at the peak "
+                f"({self.predicted_peak / max(self.activation_bytes, 1):.0%})"
+            )
+            if self.budget is not None:
+                summary += f"; budget {self.budget / _MIB:.2f} MiB"
+            lines.append(summary)
         if self.dropped:
             lines.append("left out:")
             lines += _table(("module", "reason"), list(self.dropped))
         return "\n".join(lines)
 
 
-def _table(header: Tuple[str, str], rows: Sequence[Tuple[str, str]]) -> List[str]:
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> List[str]:
     if not rows:
         return ["  (none)"]
-    width = max(len(header[0]), *(len(row[0]) for row in rows))
-    lines = [f"  {header[0]:<{width}}  {header[1]}", f"  {'-' * width}  {'-' * len(header[1])}"]
-    lines += [f"  {first:<{width}}  {second}" for first, second in rows]
-    return lines
+    widths = [max(len(header[i]), *(len(row[i]) for row in rows)) for i in range(len(header))]
+
+    def line(cells: Sequence[str]) -> str:
+        parts = [cells[0].ljust(widths[0])]
+        # Text columns left-aligned, number columns right-aligned.
+        for cell, width, sample in zip(cells[1:], widths[1:], rows[0][1:]):
+            numeric = sample.replace(".", "", 1).isdigit()
+            parts.append(cell.rjust(width) if numeric else cell.ljust(width))
+        return "  " + "  ".join(parts).rstrip()
+
+    return [line(header), "  " + "  ".join("-" * w for w in widths)] + [line(row) for row in rows]

@@ -52,6 +52,21 @@ def run_region(
     return checkpoint(call, *args, **options.as_kwargs(), **kwargs)
 
 
+def run_offloaded(
+    owner: torch.nn.Module, call: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]
+) -> Any:
+    """Call ``call`` keeping the tensors it saves for backward in CPU memory.
+
+    Nothing is recomputed; saved tensors of CUDA regions go to pinned host memory and come
+    back in backward. On the CPU this moves nothing and only marks the region.
+    """
+    if not torch.is_grad_enabled() or is_disabled():
+        return call(*args, **kwargs)
+    on_cuda = any(p.is_cuda for p in owner.parameters(recurse=True))
+    with torch.autograd.graph.save_on_cpu(pin_memory=on_cuda):
+        return call(*args, **kwargs)
+
+
 class _KeywordsFirst:
     """``call`` taking its keyword arguments as a leading dict."""
 

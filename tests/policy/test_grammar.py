@@ -10,6 +10,7 @@ from _policy_models import GPT, GPTBlock
 from torch import nn
 
 from ckptwrap._errors import CheckpointConfigError, CheckpointError
+from ckptwrap.policy import DEFAULT_SELECTIVE_OPS, Offload, Selective, split_modifiers
 from ckptwrap.policy import (
     All,
     Blocks,
@@ -163,10 +164,40 @@ def test_bad_class_names_in_type():
         parse_policy("type:GPTBlock last:6")
 
 
-def test_budget_is_reserved_and_names_the_term():
-    with pytest.raises(NotImplementedError, match=r"'budget:40%' is not implemented yet") as caught:
-        parse_policy("blocks;budget:40%")
-    assert isinstance(caught.value, CheckpointError)
+@pytest.mark.parametrize(
+    "spec, fraction, amount",
+    [("budget:40%", 0.4, None), ("budget:512MiB", None, 512 << 20), ("budget:2GiB", None, 2 << 30),
+     ("budget: 1.5 GB", None, 1_500_000_000), ("budget:100%", 1.0, None)],
+)
+def test_budget_amounts(spec, fraction, amount):
+    rest, budget, tier = split_modifiers(parse_policy("blocks;" + spec))
+    assert rest == parse_policy("blocks") and tier is None
+    assert budget.parsed() == (fraction, amount)
+    assert parse_policy(str(parse_policy(spec))) == parse_policy(spec)
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [("budget:40", "malformed"), ("budget:0%", "out of range"), ("budget:120%", "out of range"),
+     ("budget:12 parsecs", "malformed"), ("budget:0MiB", "malformed")],
+)
+def test_bad_budgets_name_the_term(spec, message):
+    with pytest.raises(CheckpointConfigError, match=rf"{re.escape(spec)}.*{message}"):
+        parse_policy(spec)
+
+
+def test_tiers_parse_and_split():
+    rest, budget, tier = split_modifiers(parse_policy("type:Block;last:4;selective:mm,bmm"))
+    assert rest == parse_policy("type:Block;last:4") and budget is None
+    assert tier == Selective(("mm", "bmm"))
+    assert split_modifiers(parse_policy("offload"))[2] == Offload()
+    assert split_modifiers(parse_policy("selective"))[2].ops == DEFAULT_SELECTIVE_OPS
+    with pytest.raises(CheckpointConfigError, match="not an aten operator"):
+        parse_policy("selective:mm,frobnicate")
+    with pytest.raises(CheckpointConfigError, match="at most one"):
+        split_modifiers(parse_policy("selective;offload"))
+    with pytest.raises(CheckpointConfigError, match=r"cannot stand inside '\|' or '~'"):
+        split_modifiers(parse_policy("blocks") | parse_policy("every:2;budget:40%"))
 
 
 def test_errors_name_the_whole_policy():

@@ -177,15 +177,6 @@ def test_an_error_leaves_the_model_unchanged(policy, options, match):
     assert markings(model) == wrapped
 
 
-def test_an_unimplemented_budget_leaves_the_model_unchanged():
-    model = make(TinyGPT)
-    with pytest.raises(NotImplementedError, match="budget:40%"):
-        wrap_model(model, "budget:40%")
-    with pytest.raises(ckptwrap.CheckpointError, match="budget"):
-        wrap_model(model, "budget:40%")
-    assert marked(model) == [] and "ckptwrap_plan" not in model.__dict__
-
-
 def test_non_modules_are_rejected():
     with pytest.raises(CheckpointConfigError, match="got str"):
         wrap_model("model", "blocks")

@@ -1,0 +1,6 @@
+"""``python -m ckptwrap``: see :mod:`ckptwrap.cli`."""
+
+from .cli import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,182 @@
+"""Terms that say how much or how, not which: ``budget:``, ``selective`` and ``offload``.
+
+They combine with the selecting terms through ``;`` / ``&`` only. Inside a selection they
+pick every candidate (so ``select`` still works on a policy that contains them); the
+planner takes them out and acts on them: ``budget:`` chooses among the candidates from
+measured costs, ``selective`` and ``offload`` change what happens inside the chosen
+modules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Optional, Tuple
+
+from .._errors import CheckpointConfigError
+from ._base import Intersection, Names, Policy, _Picker
+
+__all__ = [
+    "Budget",
+    "DEFAULT_SELECTIVE_OPS",
+    "Offload",
+    "Selective",
+    "split_modifiers",
+]
+
+_UNITS = {
+    "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40,
+    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+}
+_AMOUNT = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(%|[A-Za-z]+)")
+
+DEFAULT_SELECTIVE_OPS: Tuple[str, ...] = (
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "scaled_dot_product_attention",
+)
+"""What ``selective`` alone saves in a transformer block: the matrix products and the
+attention kernel, the costly operators, while cheap elementwise work is recomputed."""
+
+
+class _Modifier(_Picker):
+    """A term that leaves the candidates as they are when a policy selects."""
+
+    def _pick(self, candidates: Tuple[str, ...]) -> Names:
+        return frozenset(candidates)
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget(_Modifier):
+    """``budget:X``: checkpoint the candidates that fit activation memory into X at the
+    least recompute time; X is ``NN%`` of the un-checkpointed activation memory or an
+    amount of bytes such as ``512MiB`` or ``2GiB``."""
+
+    amount: str
+    """The budget as written, e.g. ``"40%"`` or ``"512MiB"``."""
+
+    def __post_init__(self) -> None:
+        self.parsed()  # reject a malformed amount when the policy is built
+
+    def describe(self) -> str:
+        return f"budget:{self.amount}"
+
+    def parsed(self) -> Tuple[Optional[float], Optional[int]]:
+        """(fraction of the un-checkpointed activation memory, None) or (None, bytes)."""
+        match = _AMOUNT.fullmatch(str(self.amount).strip())
+        unit = match.group(2).upper() if match else ""
+        if match and unit == "%":
+            percent = float(match.group(1))
+            if 0 < percent <= 100:
+                return percent / 100, None
+            raise CheckpointConfigError(
+                f"budget:{self.amount} is out of range: a percentage must be in (0, 100]"
+            )
+        if match and unit in _UNITS:
+            amount = int(float(match.group(1)) * _UNITS[unit])
+            if amount > 0:
+                return None, amount
+        raise CheckpointConfigError(
+            f"budget:{self.amount} is malformed: write a percentage of the un-checkpointed "
+            f"activation memory such as budget:40%, or an amount such as budget:512MiB or "
+            f"budget:2GiB (units: {', '.join(_unit_names())})"
+        )
+
+    def resolve(self, activation_bytes: int) -> int:
+        """The budget in bytes, given the un-checkpointed activation memory."""
+        fraction, amount = self.parsed()
+        return int(fraction * activation_bytes) if fraction is not None else int(amount)
+
+
+def _unit_names() -> Tuple[str, ...]:
+    return ("B", "KiB", "MiB", "GiB", "TiB", "KB", "MB", "GB", "TB")
+
+
+@dataclasses.dataclass(frozen=True)
+class Selective(_Modifier):
+    """``selective[:OP,...]``: inside each chosen module, save the outputs of the named
+    operators and recompute the rest (op-level selective checkpointing)."""
+
+    ops: Tuple[str, ...] = DEFAULT_SELECTIVE_OPS
+    """Operator names such as ``mm`` or ``scaled_dot_product_attention``."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ops", tuple(self.ops))
+        if not self.ops:
+            raise CheckpointConfigError("selective: needs at least one operator name, e.g. selective:mm")
+        from ._ops import resolve_ops
+
+        resolve_ops(self.ops)  # unknown operator names are reported now
+
+    def describe(self) -> str:
+        if self.ops == DEFAULT_SELECTIVE_OPS:
+            return "selective"
+        return "selective:" + ",".join(self.ops)
+
+
+@dataclasses.dataclass(frozen=True)
+class Offload(_Modifier):
+    """``offload``: keep the chosen modules' saved tensors in CPU memory (pinned when the
+    model is on CUDA) instead of recomputing them."""
+
+    def describe(self) -> str:
+        return "offload"
+
+
+def split_modifiers(policy: Policy) -> Tuple[Policy, Optional[Budget], Optional[Policy]]:
+    """Take the modifier terms out of ``policy``.
+
+    Returns:
+        (the selecting rest, the budget term or None, the tier term (Selective or
+        Offload) or None). The rest is ``blocks`` when nothing else selects.
+
+    Raises:
+        CheckpointConfigError: A modifier appears inside ``|`` or ``~``, appears twice,
+            or ``selective`` is combined with ``offload``.
+    """
+    from ._terms import Blocks
+
+    if isinstance(policy, _Modifier):
+        parts_sets, parts_pickers = (), (policy,)
+    elif isinstance(policy, Intersection):
+        parts_sets, parts_pickers = policy.sets, policy.pickers
+    else:
+        _reject_nested_modifiers(policy)
+        return policy, None, None
+    for part in parts_sets + parts_pickers:
+        if not isinstance(part, _Modifier):
+            _reject_nested_modifiers(part)
+    modifiers = [p for p in parts_pickers if isinstance(p, _Modifier)]
+    pickers = tuple(p for p in parts_pickers if not isinstance(p, _Modifier))
+    budgets = [m for m in modifiers if isinstance(m, Budget)]
+    tiers = [m for m in modifiers if not isinstance(m, Budget)]
+    if len(budgets) > 1 or len(tiers) > 1:
+        twice = budgets if len(budgets) > 1 else tiers
+        raise CheckpointConfigError(
+            f"a policy takes at most one budget term and one of selective/offload; got "
+            f"{', '.join(m.describe() for m in twice)}"
+        )
+    if not parts_sets and not pickers:
+        rest: Policy = Blocks()
+    elif not pickers and len(parts_sets) == 1:
+        rest = parts_sets[0]
+    else:
+        rest = Intersection(sets=parts_sets, pickers=pickers) if parts_sets or pickers else Blocks()
+    return rest, (budgets[0] if budgets else None), (tiers[0] if tiers else None)
+
+
+def _reject_nested_modifiers(policy: Policy) -> None:
+    inner = getattr(policy, "parts", None) or (
+        (policy.inner,) if hasattr(policy, "inner") else ()
+    )
+    for part in inner:
+        if isinstance(part, _Modifier) or (
+            isinstance(part, Intersection) and any(isinstance(p, _Modifier) for p in part.pickers)
+        ):
+            raise CheckpointConfigError(
+                f"{part.describe()} cannot stand inside '|' or '~' in {policy.describe()}; "
+                f"join budget, selective and offload to the rest with ';' (or &)"
+            )
+        _reject_nested_modifiers(part)

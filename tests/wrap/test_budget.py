@@ -1,0 +1,187 @@
+"""Budget plans, measured plans and the selective and offload tiers, end to end.
+
+References are computed in each test: the plain model, brute force over the measured
+costs, and operator counts during recomputation.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import pickle
+import warnings
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import ckptwrap
+from ckptwrap import plan, unwrap_model, wrap_model
+from ckptwrap._errors import CheckpointConfigError
+from ckptwrap.measure import profile_modules
+from ckptwrap.policy._solver import CostItem, predicted_peak
+
+from ._models import TinyGPT, assert_same, gpt_batch, gpt_loss, grads, make, marked, recompute_counts, step, structure
+
+
+def _example():
+    ids, _ = gpt_batch()
+    return (ids,)
+
+
+def _model(layers: int = 6) -> torch.nn.Module:
+    return make(lambda: TinyGPT(layers=layers)).train()
+
+
+def _fewest_that_fit(items, base, budget):
+    for size in range(len(items) + 1):
+        for chosen in itertools.combinations(range(len(items)), size):
+            if predicted_peak(items, chosen, base=base) <= budget:
+                return size
+    return None
+
+
+@pytest.mark.parametrize("percent", [35, 60, 90])
+def test_budget_plan_fits_and_is_optimal_for_the_measured_costs(percent):
+    model = _model()
+    result = plan(model, f"budget:{percent}%", example_inputs=_example())
+    assert result.budget is not None and result.predicted_peak <= result.budget
+    assert result.budget == int(percent / 100 * result.activation_bytes)
+    assert set(result.names) <= {f"h.{i}" for i in range(6)}
+    # Byte costs are deterministic, so a fresh profile reproduces the prediction; and with
+    # positive recompute times an optimal plan has no member it could do without.
+    names = [f"h.{i}" for i in range(6)]
+    profile = profile_modules(model, names, _example(), repeats=1)
+    items = [CostItem(c.name, c.kept_bytes, c.input_bytes, 1.0) for c in profile.modules]
+    chosen = [names.index(name) for name in result.names]
+    assert predicted_peak(items, chosen, base=profile.base_bytes) == result.predicted_peak
+    for i in chosen:
+        rest = [j for j in chosen if j != i]
+        assert predicted_peak(items, rest, base=profile.base_bytes) > result.budget
+    # Identical blocks: no plan with fewer modules fits either.
+    assert len(chosen) == _fewest_that_fit(items, profile.base_bytes, result.budget)
+
+
+def test_smaller_budgets_never_predict_a_higher_peak():
+    model = _model()
+    peaks = [
+        plan(model, f"budget:{p}%", example_inputs=_example()).predicted_peak for p in (90, 70, 50, 35)
+    ]
+    assert peaks == sorted(peaks, reverse=True)
+
+
+def test_plan_measures_without_changing_the_model():
+    model = _model()
+    before = structure(model), copy.deepcopy(model.state_dict()), torch.get_rng_state()
+    plan(model, "budget:50%", example_inputs=_example())
+    assert structure(model) == before[0]
+    assert_same(model.state_dict(), before[1], "state dict")
+    assert torch.equal(torch.get_rng_state(), before[2])
+    assert marked(model) == []
+
+
+def test_budget_below_the_reachable_peak_names_it_and_changes_nothing():
+    model = _model()
+    with pytest.raises(CheckpointConfigError, match=r"below the smallest reachable peak"):
+        wrap_model(model, "budget:1%", example_inputs=_example())
+    assert marked(model) == [] and "ckptwrap_plan" not in model.__dict__
+
+
+def test_budget_plan_needs_example_inputs():
+    with pytest.raises(CheckpointConfigError, match="example_inputs"):
+        plan(_model(), "budget:50%")
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_budget_wrapped_model_has_the_plain_gradients(use_reentrant):
+    plain = _model()
+    model = wrap_model(copy.deepcopy(plain), "budget:50%", example_inputs=_example(), use_reentrant=use_reentrant)
+    assert marked(model) == model.ckptwrap_plan.names and marked(model)
+    assert_same({"loss": step(model, gpt_loss, gpt_batch())}, {"loss": step(plain, gpt_loss, gpt_batch())})
+    assert_same(grads(model), grads(plain), "gradients")
+
+
+def test_without_example_inputs_the_first_training_forward_measures_and_applies():
+    plain = _model()
+    model = wrap_model(copy.deepcopy(plain), "budget:50%")
+    assert model.ckptwrap_plan.pending and marked(model) == []
+    with torch.no_grad():
+        model(gpt_batch()[0])  # inference does not trigger planning
+    assert model.ckptwrap_plan.pending
+    with pytest.warns(UserWarning, match="first training forward"):
+        loss = step(model, gpt_loss, gpt_batch())
+    applied = model.ckptwrap_plan
+    assert not applied.pending and applied.predicted_peak <= applied.budget
+    assert marked(model) == applied.names and applied.names
+    # The very step that measured already trained correctly.
+    assert_same({"loss": loss}, {"loss": step(plain, gpt_loss, gpt_batch())})
+    assert_same(grads(model), grads(plain), "gradients")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once only
+        step(model, gpt_loss, gpt_batch())
+
+
+def test_pending_plans_pickle_and_unwrap():
+    model = wrap_model(_model(), "budget:50%")
+    copied = pickle.loads(pickle.dumps(model))
+    assert copied.ckptwrap_plan.pending
+    unwrap_model(model)
+    assert "ckptwrap_plan" not in model.__dict__ and not model._forward_pre_hooks
+    step(model, gpt_loss, gpt_batch())
+    assert marked(model) == []
+
+
+def test_measured_plan_without_budget_reports_predictions():
+    model = _model()
+    result = plan(model, "every:2", example_inputs=_example())
+    assert result.names == ["h.0", "h.2", "h.4"]
+    assert all(e.saved_bytes > 0 and e.recompute_time > 0 for e in result.selected)
+    assert result.predicted_peak < result.activation_bytes
+    text = str(result)
+    assert "saves MiB" in text and "predicted at the peak" in text
+    assert result.to_dict()["selected"][0]["name"] == "h.0"
+
+
+class _CountRecomputed(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if ckptwrap.is_recomputing():
+            self.ops.append(func.overloadpacket)
+        return func(*args, **(kwargs or {}))
+
+
+def test_selective_tier_saves_matmuls_and_recomputes_the_rest():
+    plain = _model(layers=2)
+    model = wrap_model(copy.deepcopy(plain), "blocks;selective:mm,addmm,bmm")
+    assert model.ckptwrap_plan.tier == "selective"
+    full = wrap_model(copy.deepcopy(plain), "blocks")
+    with _CountRecomputed() as selective_ops:
+        step(model, gpt_loss, gpt_batch())
+    with _CountRecomputed() as full_ops:
+        step(full, gpt_loss, gpt_batch())
+    aten = torch.ops.aten
+    products = {aten.mm, aten.addmm, aten.bmm}
+    assert any(op in products for op in full_ops.ops)
+    assert not any(op in products for op in selective_ops.ops)
+    assert selective_ops.ops  # elementwise work is still recomputed
+    step(plain, gpt_loss, gpt_batch())
+    assert_same(grads(model), grads(plain), "gradients")
+
+
+def test_selective_tier_refuses_the_reentrant_engine():
+    with pytest.raises(CheckpointConfigError, match="selective.*non-re-entrant"):
+        wrap_model(_model(), "blocks;selective", use_reentrant=True)
+
+
+def test_offload_tier_recomputes_nothing_and_keeps_gradients():
+    plain = _model(layers=2)
+    model = wrap_model(copy.deepcopy(plain), "last:1;offload")
+    assert model.ckptwrap_plan.tier == "offload" and marked(model) == ["h.1"]
+    log = recompute_counts(model, gpt_loss, gpt_batch())
+    assert sum(log.recomputed.values()) == 0
+    step(plain, gpt_loss, gpt_batch())
+    assert_same(grads(model), grads(plain), "gradients")
+    assert pickle.loads(pickle.dumps(model)).ckptwrap_plan.tier == "offload"
