@@ -81,7 +81,9 @@ def add_argparse_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         default=os.environ.get(ENV_VAR, "none"),
         help=(
             "which modules to checkpoint: none, blocks, all, type:NAME, name:GLOB, every:N, "
-            "first:K, last:K, fraction:P, joined by ';' (default: $%s or 'none')" % ENV_VAR
+            "first:K, last:K, fraction:P, budget:NN%% or budget:SIZE (measured on the first "
+            "training step), plus selective[:OPS] or offload, joined by ';' "
+            "(default: $%s or 'none')" % ENV_VAR
         ),
     )
     group.add_argument(

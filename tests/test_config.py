@@ -58,17 +58,6 @@ def _no_policy_in_the_environment(monkeypatch):
     monkeypatch.delenv(config.ENV_VAR, raising=False)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models: intra-op threads only add synchronisation, costly on a busy machine.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 # --------------------------------------------------------------------------- argparse
 
 
