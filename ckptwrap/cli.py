@@ -8,15 +8,12 @@ between activation memory and recompute time (needs the ``plot`` extra, matplotl
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import functools
 import importlib
 import importlib.util
 import inspect
 import json
-import math
-import operator
 import os
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -26,17 +23,15 @@ import torch
 from torch import nn
 
 from ._errors import CheckpointError
-from .measure import profile_modules
-from .policy import Blocks, Intersection, Policy, as_policy, split_modifiers
-from .policy._solver import CostItem, predicted_peak, smallest_reachable_peak, solve_budget
+from ._frontier import Point, pareto_points
 from .wrap import plan
 
 __all__ = ["main"]
 
 _PROG = "python -m ckptwrap"
 _PLOT_HINT = "install the plot extra: pip install 'ckptwrap[plot]'"
-_FRONTIER_POINTS = 25
 _MIB = float(1 << 20)
+_WHOLE_NUMBER = re.compile(r"[0-9]+")
 _DTYPES = {
     "float32": torch.float32,
     "float64": torch.float64,
@@ -50,20 +45,6 @@ _DTYPES = {
 
 class _UsageError(Exception):
     """A mistake in the command line; reported as one line, exit status 2."""
-
-
-@dataclasses.dataclass(frozen=True)
-class _Point:
-    """One way to checkpoint the candidates, as the cost model predicts it."""
-
-    label: str
-    """What the point stands for, for the legend."""
-    peak: int
-    """Predicted activation peak, bytes."""
-    time: float
-    """Recompute time per training step, seconds."""
-    names: Tuple[str, ...]
-    """Qualified names of the checkpointed candidates."""
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -94,8 +75,8 @@ def _build_parser() -> argparse.ArgumentParser:
         help="profile a model and print what a policy would checkpoint",
         description=(
             "Build a model from a factory, profile it on random inputs and print the plan "
-            "of a policy. Example: %s plan examples/factories.py:conv_pyramid "
-            "--input-shape 8,3,128,128 --policy budget:50%%" % _PROG
+            "of a policy. Example: %s plan examples/factories.py:gpt_small "
+            "--input-shape 8,128 --vocab 512 --policy budget:50%%" % _PROG
         ),
     )
     sub.add_argument(
@@ -161,20 +142,23 @@ def _run_plan(args: argparse.Namespace) -> int:
     if inputs:
         _try_forward(model, inputs)
 
-    measured = {"example_inputs": inputs} if inputs else {}
     result = plan(
-        model, args.policy, nested=args.nested, use_reentrant=args.use_reentrant, **measured
+        model,
+        args.policy,
+        nested=args.nested,
+        example_inputs=inputs or None,
+        use_reentrant=args.use_reentrant,
     )
-    out = sys.stderr if args.json else sys.stdout
-    if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
-    else:
-        print(result)
+    print(json.dumps(result.to_dict(), indent=2) if args.json else result)
     if figure is not None:
-        points = _pareto_points(model, inputs, args.policy, result.names, nested=args.nested)
+        points = pareto_points(model, inputs, args.policy, result.names, nested=args.nested)
         title = f"{args.factory}, input {' + '.join('x'.join(map(str, s)) for s in shapes)}"
         _draw(figure, args.pareto, *points, title=title)
-        print(f"saved the memory/time frontier to {args.pareto}", file=out)
+        # Kept off standard output when that carries JSON for another program.
+        print(
+            f"saved the memory/time frontier to {args.pareto}",
+            file=sys.stderr if args.json else sys.stdout,
+        )
     return 0
 
 
@@ -194,9 +178,7 @@ def _build_model(spec: str) -> nn.Module:
         pass  # no signature to check (some builtins); the call itself will tell
     model = factory()
     if not isinstance(model, nn.Module):
-        raise _UsageError(
-            f"{spec} returned {type(model).__name__}, expected an nn.Module"
-        )
+        raise _UsageError(f"{spec} returned {type(model).__name__}, expected an nn.Module")
     return model
 
 
@@ -223,7 +205,8 @@ def _load_factory(spec: str) -> Callable[..., Any]:
         target = getattr(target, part)
     if not callable(target):
         raise _UsageError(
-            f"{spec} is a {type(target).__name__}, not a callable that returns an nn.Module"
+            f"{spec} is not callable (it is {type(target).__name__} {target!r:.40}); give a "
+            f"function or class that returns an nn.Module"
         )
     return target
 
@@ -257,7 +240,7 @@ def _import_file(path: Path) -> ModuleType:
 
 def _parse_shape(text: str) -> Tuple[int, ...]:
     parts = [part.strip() for part in text.split(",")]
-    if not all(part.isdigit() and int(part) > 0 for part in parts):
+    if not all(_WHOLE_NUMBER.fullmatch(part) and int(part) > 0 for part in parts):
         raise _UsageError(
             f"bad --input-shape {text!r}: expected positive integers separated by commas, "
             f"such as 8,256 or 8,3,128,128"
@@ -324,124 +307,29 @@ def _try_forward(model: nn.Module, inputs: Tuple[torch.Tensor, ...]) -> None:
         ) from None
 
 
-# --------------------------------------------------------------------------- the frontier
-
-
-def _pareto_points(
-    model: nn.Module,
-    inputs: Tuple[torch.Tensor, ...],
-    policy: str,
-    chosen: Sequence[str],
-    *,
-    nested: bool,
-) -> Tuple[List[_Point], List[_Point]]:
-    """Profile the candidates once; return the budget frontier and the reference points."""
-    candidates = _candidate_policy(as_policy(policy))
-    names = plan(model, candidates, nested=nested).names
-    if not names:
-        raise _UsageError(f"--policy {policy!r} leaves no candidates to draw a frontier over")
-    profile = profile_modules(model, names, inputs)
-    costs = [profile[name] for name in names]
-    items = [CostItem(c.name, c.kept_bytes, c.input_bytes, c.forward_time) for c in costs]
-    base = profile.base_bytes
-    references = _reference_points(items, base=base, candidates=str(candidates))
-    index = {name: i for i, name in enumerate(names)}
-    if all(name in index for name in chosen):
-        references.append(_point(f"--policy {policy}", items, [index[n] for n in chosen], base))
-    return _frontier(items, base=base), references
-
-
-def _candidate_policy(policy: Policy) -> Policy:
-    """What the frontier chooses among: the policy's set terms, else the blocks."""
-    rest = split_modifiers(policy)[0]
-    if isinstance(rest, Intersection):
-        sets = rest.sets
-    else:
-        sets = () if rest._is_picker else (rest,)
-    return functools.reduce(operator.and_, sets) if sets else Blocks()
-
-
-def _frontier(
-    items: Sequence[CostItem], *, base: int, points: int = _FRONTIER_POINTS
-) -> List[_Point]:
-    """The least recompute time at each predicted peak, from the smallest reachable one to
-    checkpointing nothing: solved at ``points`` evenly spaced budgets, dominated plans
-    dropped, sorted by peak (so time only falls as memory grows)."""
-    low = smallest_reachable_peak(items, base=base)
-    high = predicted_peak(items, (), base=base)
-    budgets = sorted({low + (high - low) * k // max(points - 1, 1) for k in range(points)})
-    solved = []
-    for budget in budgets:
-        solution = solve_budget(items, budget, base=base)
-        names = tuple(items[i].name for i in solution.selected)
-        label = f"budget:{100 * budget / max(high, 1):.0f}%"
-        solved.append(_Point(label, solution.predicted_peak, solution.recompute_time, names))
-    frontier: List[_Point] = []
-    # A coarse solver axis can return a plan that another budget beats; keep only the best.
-    for point in sorted(solved, key=lambda p: (p.peak, p.time)):
-        if not frontier or point.time < frontier[-1].time:
-            frontier.append(point)
-    return frontier
-
-
-def _reference_points(items: Sequence[CostItem], *, base: int, candidates: str) -> List[_Point]:
-    """Fixed policies to compare with the frontier: all candidates, every other one, and
-    ``checkpoint_sequential`` with about sqrt(n) segments."""
-    n = len(items)
-    return [
-        _point(f"{candidates} (all {n})", items, range(n), base),
-        _point("every:2", items, range(0, n, 2), base),
-        _sequential_point(items, base),
-    ]
-
-
-def _point(label: str, items: Sequence[CostItem], selected: Sequence[int], base: int) -> _Point:
-    selected = list(selected)
-    return _Point(
-        label,
-        predicted_peak(items, selected, base=base),
-        math.fsum(items[i].time for i in selected),
-        tuple(items[i].name for i in selected),
-    )
-
-
-def _sequential_point(items: Sequence[CostItem], base: int) -> _Point:
-    """``checkpoint_sequential`` as the cost model sees it: each checkpointed segment keeps
-    its first module's inputs and recomputes all of its modules at once; the last segment,
-    as in ``checkpoint_sequential``, is not checkpointed."""
-    n = len(items)
-    segments = max(1, round(math.sqrt(n)))
-    size = n // segments
-    bounds = [k * size for k in range(segments)] + [n]
-    merged = [
-        CostItem(
-            f"segment {k}",
-            kept=sum(item.kept for item in items[bounds[k] : bounds[k + 1]]),
-            inputs=items[bounds[k]].inputs,
-            time=math.fsum(item.time for item in items[bounds[k] : bounds[k + 1]]),
-        )
-        for k in range(segments)
-    ]
-    point = _point(f"checkpoint_sequential, {segments} segments", merged, range(segments - 1), base)
-    names = tuple(item.name for item in items[: bounds[segments - 1]])
-    return dataclasses.replace(point, names=names)
+# --------------------------------------------------------------------------- drawing
 
 
 def _figure_module(path: str) -> ModuleType:
-    """matplotlib's ``Figure`` module, checked before the slow part, with the target folder."""
+    """matplotlib's ``figure`` module; it and the target folder are checked before the
+    slow profiling starts."""
     try:
         importlib.import_module("matplotlib")
         figure = importlib.import_module("matplotlib.figure")
     except ImportError:
-        raise _UsageError(f"--pareto draws with matplotlib, which is not installed; {_PLOT_HINT}") from None
+        raise _UsageError(
+            f"--pareto draws with matplotlib, which is not installed; {_PLOT_HINT}"
+        ) from None
     folder = Path(path).resolve().parent
     if not folder.is_dir():
-        raise _UsageError(f"cannot save --pareto {path!r}: the folder {str(folder)!r} does not exist")
+        raise _UsageError(
+            f"cannot save --pareto {path!r}: the folder {str(folder)!r} does not exist"
+        )
     return figure
 
 
 def _draw(
-    figure: ModuleType, path: str, frontier: List[_Point], references: List[_Point], *, title: str
+    figure: ModuleType, path: str, frontier: List[Point], references: List[Point], *, title: str
 ) -> None:
     # The Figure API, not pyplot: no global backend or window state is touched.
     fig = figure.Figure(figsize=(8, 5), layout="constrained")

@@ -4,14 +4,14 @@ Each factory takes no arguments and returns a freshly initialised model; the com
 builds it, profiles it on random inputs of the given shape and prints the plan::
 
     python -m ckptwrap plan examples/factories.py:gpt_small \\
-        --input-shape 8,128 --input-dtype long --vocab 512 --policy budget:50%
+        --input-shape 8,128 --vocab 512 --policy budget:50% --pareto gpt.png
     python -m ckptwrap plan examples/factories.py:conv_pyramid \\
-        --input-shape 8,3,128,128 --policy budget:50% --pareto pyramid.png
+        --input-shape 8,3,128,128 --policy budget:70% --pareto pyramid.png
 
 The two differ in where memory goes. The GPT's blocks all cost the same, so a budget
 checkpoints some number of interchangeable blocks. The pyramid's early, high-resolution
-stages hold most of the activation memory for a fraction of the compute, so a good plan
-recomputes those and keeps the cheap-to-store late stages, which ``every:2`` does not.
+blocks each keep several times the bytes of a late one for about the same compute, so a
+budget recomputes those first and keeps the late ones, which ``every:2`` does not.
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ def gpt_small() -> GPT:
     Try it with::
 
         python -m ckptwrap plan examples/factories.py:gpt_small \\
-            --input-shape 8,128 --input-dtype long --vocab 512 --policy budget:50%
+            --input-shape 8,128 --vocab 512 --policy budget:50%
+
+    ``--vocab 512`` draws token ids in [0, 512) (as ``--input-dtype long``).
     """
     return GPT(GPTConfig(vocab=512, width=128, heads=4, layers=8, seq_len=128))
 
@@ -50,50 +52,57 @@ def conv_pyramid() -> "ConvPyramid":
     Try it with::
 
         python -m ckptwrap plan examples/factories.py:conv_pyramid \\
-            --input-shape 8,3,128,128 --policy budget:50%
+            --input-shape 8,3,128,128 --policy budget:70%
+
+    Checkpointing its blocks cannot bring activation memory below about 60%: the stem's
+    activations and every block's input stay, and the largest block is recomputed whole,
+    so ``budget:50%`` is refused with the smallest reachable peak.
     """
     return ConvPyramid(in_channels=3, widths=(16, 32, 64, 128), blocks_per_stage=2, classes=10)
 
 
 class ResidualBlock(nn.Module):
-    """Conv-BN-ReLU-Conv-BN on a residual, at constant resolution and width."""
+    """Conv-BN-ReLU-Conv-BN on a residual, then ReLU, as in ResNet.
 
-    def __init__(self, channels: int) -> None:
+    Args:
+        in_channels: Channels of the input.
+        out_channels: Channels of the output.
+        stride: 2 to halve the resolution (the first block of a stage), else 1. When the
+            shape changes, the residual goes through a strided 1x1 convolution and BN.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, stride: int = 1) -> None:
         super().__init__()
-        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(channels)
+        self.conv1 = nn.Conv2d(in_channels, out_channels, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(out_channels)
         self.relu = nn.ReLU()
-        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(channels)
+        self.conv2 = nn.Conv2d(out_channels, out_channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(out_channels)
+        self.shortcut: nn.Module = nn.Identity()
+        if stride != 1 or in_channels != out_channels:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(in_channels, out_channels, 1, stride=stride, bias=False),
+                nn.BatchNorm2d(out_channels),
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x)))))
-        return self.relu(x + out)
-
-
-class _Downsample(nn.Module):
-    """A strided convolution that halves the resolution and changes the width."""
-
-    def __init__(self, in_channels: int, out_channels: int, stride: int) -> None:
-        super().__init__()
-        self.conv = nn.Conv2d(in_channels, out_channels, 3, stride=stride, padding=1, bias=False)
-        self.bn = nn.BatchNorm2d(out_channels)
-        self.relu = nn.ReLU()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.relu(self.bn(self.conv(x)))
+        return self.relu(self.shortcut(x) + out)
 
 
 class ConvPyramid(nn.Module):
     """An image classifier whose resolution halves and width doubles at every stage.
 
-    Activation memory per block scales with resolution x width, compute with resolution x
-    width², so the first stage keeps 8 times the bytes of the last for the same FLOPs.
+    Per block, activation memory scales with resolution x width and compute with
+    resolution x width², so a first-stage block keeps 8 times the bytes of a last-stage
+    block for about the same FLOPs: recomputing early blocks buys the most memory per
+    second of compute.
 
     Args:
         in_channels: Channels of the input images.
         widths: Channels of each stage; stage i runs at 1/2**i of the input resolution.
-        blocks_per_stage: :class:`ResidualBlock` s per stage.
+        blocks_per_stage: :class:`ResidualBlock` s per stage; the first block of every
+            stage but the first halves the resolution.
         classes: Outputs of the linear head.
     """
 
@@ -106,21 +115,26 @@ class ConvPyramid(nn.Module):
         classes: int,
     ) -> None:
         super().__init__()
-        # Each stage is its own nn.Sequential (not items of one container), so that the
-        # ``blocks`` policy finds the residual blocks rather than the four stages.
-        previous = in_channels
+        self.stem = nn.Sequential(
+            nn.Conv2d(in_channels, widths[0], 3, padding=1, bias=False),
+            nn.BatchNorm2d(widths[0]),
+            nn.ReLU(),
+        )
+        # Every stage is its own nn.Sequential attribute, not an item of one container:
+        # ``blocks`` then finds the residual blocks, not the four stages.
+        previous = widths[0]
         for index, width in enumerate(widths):
             stride = 1 if index == 0 else 2
-            layers = [_Downsample(previous, width, stride)]
-            layers += [ResidualBlock(width) for _ in range(blocks_per_stage)]
-            self.add_module(f"stage{index}", nn.Sequential(*layers))
+            blocks = [ResidualBlock(previous, width, stride)]
+            blocks += [ResidualBlock(width, width) for _ in range(blocks_per_stage - 1)]
+            self.add_module(f"stage{index}", nn.Sequential(*blocks))
             previous = width
         self.stages = len(widths)
         self.head = nn.Linear(previous, classes)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         """Class logits of shape ``(batch, classes)`` for images ``(batch, C, H, W)``."""
-        x = images
+        x = self.stem(images)
         for index in range(self.stages):
             x = getattr(self, f"stage{index}")(x)
         return self.head(x.mean(dim=(2, 3)))

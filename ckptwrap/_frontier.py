@@ -1,0 +1,178 @@
+"""The memory/time trade-off of a model's candidates, which ``python -m ckptwrap plan
+--pareto`` draws: the budget frontier, and fixed policies placed on the same cost model.
+
+Everything is computed from one profile with the budget solver; nothing here draws.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import operator
+from typing import List, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ._errors import CheckpointConfigError
+from .measure import profile_modules
+from .policy import Blocks, Intersection, Policy, as_policy, split_modifiers
+from .policy._solver import CostItem, predicted_peak, smallest_reachable_peak, solve_budget
+from .wrap import plan
+
+__all__ = ["Point", "frontier", "pareto_points", "reference_points"]
+
+_FRONTIER_POINTS = 25
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    """One way to checkpoint the candidates, as the cost model predicts it."""
+
+    label: str
+    """What the point stands for, for the legend."""
+    peak: int
+    """Predicted activation peak, bytes."""
+    time: float
+    """Recompute time per training step, seconds."""
+    names: Tuple[str, ...]
+    """Qualified names of the checkpointed candidates."""
+
+
+def pareto_points(
+    model: nn.Module,
+    inputs: Tuple[torch.Tensor, ...],
+    policy: str,
+    chosen: Sequence[str] = (),
+    *,
+    nested: bool = False,
+) -> Tuple[List[Point], List[Point]]:
+    """Profile the candidates once and place the budget frontier and fixed policies on it.
+
+    Args:
+        model: The model, in train mode for a training trade-off.
+        inputs: Positional example inputs of one forward.
+        policy: The policy string; its set terms name the candidates (the repeated blocks
+            if it has none), and its pickers and budget are ignored.
+        chosen: Qualified names a plan of ``policy`` selected: one more point when they
+            are all candidates and differ from every reference point's.
+        nested: As for :func:`ckptwrap.plan`.
+
+    Returns:
+        The frontier (see :func:`frontier`) and the points of :func:`reference_points`,
+        followed by that of ``chosen``.
+
+    Raises:
+        CheckpointConfigError: If the policy is malformed or leaves no candidates.
+    """
+    candidates = _candidate_policy(as_policy(policy))
+    names = plan(model, candidates, nested=nested).names
+    if not names:
+        raise CheckpointConfigError(
+            f"policy {policy!r} leaves no candidates in {type(model).__name__} to draw a "
+            f"frontier over; give a policy whose set terms select some modules"
+        )
+    profile = profile_modules(model, names, inputs)
+    costs = [profile[name] for name in names]
+    items = [CostItem(c.name, c.kept_bytes, c.input_bytes, c.forward_time) for c in costs]
+    base = profile.base_bytes
+    references = reference_points(items, base=base, candidates=str(candidates))
+    index = {name: i for i, name in enumerate(names)}
+    if chosen and all(name in index for name in chosen):
+        own = _point(f"policy {policy}", items, [index[n] for n in chosen], base)
+        if all(own.names != other.names for other in references):
+            references.append(own)
+    return frontier(items, base=base), references
+
+
+def _candidate_policy(policy: Policy) -> Policy:
+    """What the frontier chooses among: the policy's set terms, else the blocks."""
+    rest = split_modifiers(policy)[0]
+    if isinstance(rest, Intersection):
+        sets = rest.sets
+    else:
+        # A lone picker (every:2) picks among the blocks; anything else names modules.
+        sets = () if rest._is_picker else (rest,)
+    return functools.reduce(operator.and_, sets) if sets else Blocks()
+
+
+def frontier(
+    items: Sequence[CostItem], *, base: int, points: int = _FRONTIER_POINTS
+) -> List[Point]:
+    """The least recompute time for each predicted peak, from the smallest reachable peak
+    to checkpointing nothing.
+
+    Args:
+        items: The candidates, in model order.
+        base: Bytes of activations outside every candidate.
+        points: How many evenly spaced budgets to solve for, ends included.
+
+    Returns:
+        The plans found, dominated ones dropped, by ascending peak and so by strictly
+        falling time; the last checkpoints nothing.
+
+    Raises:
+        CheckpointConfigError: If ``points`` is below 2, or on a bad item or ``base``.
+    """
+    if isinstance(points, bool) or not isinstance(points, int) or points < 2:
+        raise CheckpointConfigError(f"points must be an integer >= 2, got {points!r}")
+    low = smallest_reachable_peak(items, base=base)
+    high = predicted_peak(items, (), base=base)
+    budgets = sorted({low + (high - low) * k // (points - 1) for k in range(points)})
+    solved = []
+    for budget in budgets:
+        solution = solve_budget(items, budget, base=base)
+        names = tuple(items[i].name for i in solution.selected)
+        label = f"budget:{100 * budget / max(high, 1):.0f}%"
+        solved.append(Point(label, solution.predicted_peak, solution.recompute_time, names))
+    best: List[Point] = []
+    # On a coarse memory axis the solver may return a plan that a smaller budget's plan
+    # beats; the frontier keeps only plans nothing else beats.
+    for point in sorted(solved, key=lambda p: (p.peak, p.time)):
+        if not best or point.time < best[-1].time:
+            best.append(point)
+    return best
+
+
+def reference_points(items: Sequence[CostItem], *, base: int, candidates: str) -> List[Point]:
+    """Fixed policies to compare with the frontier: all candidates, every other one, and
+    ``checkpoint_sequential`` with about sqrt(n) segments."""
+    n = len(items)
+    return [
+        _point(f"{candidates} (all {n})", items, range(n), base),
+        _point("every:2", items, range(0, n, 2), base),
+        _sequential_point(items, base),
+    ]
+
+
+def _point(label: str, items: Sequence[CostItem], selected: Sequence[int], base: int) -> Point:
+    selected = list(selected)
+    return Point(
+        label,
+        predicted_peak(items, selected, base=base),
+        math.fsum(items[i].time for i in selected),
+        tuple(items[i].name for i in selected),
+    )
+
+
+def _sequential_point(items: Sequence[CostItem], base: int) -> Point:
+    """``checkpoint_sequential`` as the cost model sees it: each checkpointed segment keeps
+    its first module's inputs and recomputes all of its modules at once; the last segment,
+    as in ``checkpoint_sequential``, is not checkpointed."""
+    n = len(items)
+    segments = max(1, round(math.sqrt(n)))
+    size = n // segments
+    bounds = [k * size for k in range(segments)] + [n]
+    merged = [
+        CostItem(
+            f"segment {k}",
+            kept=sum(item.kept for item in items[bounds[k] : bounds[k + 1]]),
+            inputs=items[bounds[k]].inputs,
+            time=math.fsum(item.time for item in items[bounds[k] : bounds[k + 1]]),
+        )
+        for k in range(segments)
+    ]
+    point = _point(f"checkpoint_sequential, {segments} segments", merged, range(segments - 1), base)
+    names = tuple(item.name for item in items[: bounds[segments - 1]])
+    return dataclasses.replace(point, names=names)

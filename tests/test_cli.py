@@ -1,0 +1,324 @@
+"""Tests of ``python -m ckptwrap plan``: loading factories, inputs, output, errors, and the
+memory/time frontier behind ``--pareto``.
+
+The factories below are what the command loads, by this file's path.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+from ckptwrap import cli
+from ckptwrap._frontier import frontier, pareto_points, reference_points
+from ckptwrap.policy._solver import CostItem, predicted_peak, smallest_reachable_peak
+
+_HERE = Path(__file__).resolve()
+_ROOT = _HERE.parents[1]
+_LAYER_NAMES = [f"layers.{i}" for i in range(4)]
+
+NOT_CALLABLE = 3
+
+
+class _Layer(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, 4 * width)
+        self.out = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.out(torch.tanh(self.fc(x)))
+
+
+class _Stack(nn.Module):
+    def __init__(self, width: int = 16, vocab: int = 0) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width) if vocab else None
+        self.layers = nn.ModuleList(_Layer(width) for _ in range(4))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def tiny_stack(width: int = 16) -> nn.Module:
+    return _Stack(width)
+
+
+def tiny_embedding() -> nn.Module:
+    return _Stack(vocab=10)
+
+
+def not_a_module() -> int:
+    return 42
+
+
+def needs_arguments(width: int) -> nn.Module:
+    return _Stack(width)
+
+
+def _run(capsys, *argv: str):
+    code = cli.main(["plan", *argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+# --------------------------------------------------------------------------- plans
+
+
+def test_blocks_plan_lists_the_selected_names(capsys):
+    code, out, err = _run(capsys, f"{_HERE}:tiny_stack", "--input-shape", "2,5,16")
+    assert code == 0, err
+    assert "'blocks'" in out
+    assert all(name in out for name in _LAYER_NAMES)
+
+
+def test_without_inputs_the_plan_is_not_measured(capsys):
+    code, out, _ = _run(capsys, f"{_HERE}:tiny_stack", "--policy", "every:2")
+    assert code == 0
+    assert "layers.0" in out and "layers.2" in out and "layers.1" not in out
+
+
+def test_json_parses_and_has_the_names(capsys):
+    code, out, _ = _run(capsys, f"{_HERE}:tiny_stack", "--input-shape", "2,5,16", "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert [entry["name"] for entry in data["selected"]] == _LAYER_NAMES
+    assert data["policy"] == "blocks"
+    assert all(entry["saved_bytes"] is not None for entry in data["selected"])
+
+
+def test_budget_plan_fits_its_budget(capsys):
+    code, out, err = _run(
+        capsys, f"{_HERE}:tiny_stack", "--input-shape", "4,32,16", "--policy", "budget:80%",
+        "--json",
+    )
+    assert code == 0, err
+    data = json.loads(out)
+    assert data["predicted_peak"] <= data["budget"] < data["activation_bytes"]
+    assert data["selected"]
+
+
+def test_integer_inputs_are_drawn_below_the_vocabulary(capsys):
+    code, out, err = _run(capsys, f"{_HERE}:tiny_embedding", "--input-shape", "2,7", "--vocab", "10")
+    assert code == 0, err
+    assert all(name in out for name in _LAYER_NAMES)
+
+
+def test_a_module_path_loads_like_a_file(capsys, tmp_path, monkeypatch):
+    (tmp_path / "my_models_for_cli.py").write_text(
+        "from torch import nn\n"
+        "def build():\n"
+        "    return nn.Sequential(*[nn.Linear(4, 4) for _ in range(3)])\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, out, err = _run(capsys, "my_models_for_cli:build", "--input-shape", "2,4")
+    assert code == 0, err
+    assert all(f"  {i}  " in out for i in range(3))
+
+
+def test_engine_options_reach_the_plan(capsys):
+    code, out, _ = _run(capsys, f"{_HERE}:tiny_stack", "--use-reentrant", "--json")
+    assert code == 0
+    assert json.loads(out)["options"]["use_reentrant"] is True
+
+
+@pytest.mark.parametrize(
+    "spec, shape, extra, blocks",
+    [
+        ("conv_pyramid", "1,3,16,16", [], 8),
+        ("gpt_small", "1,8", ["--vocab", "512"], 8),
+    ],
+)
+def test_the_example_factories_plan(capsys, spec, shape, extra, blocks):
+    code, out, err = _run(
+        capsys, f"{_ROOT / 'examples' / 'factories.py'}:{spec}", "--input-shape", shape, *extra,
+        "--json",
+    )
+    assert code == 0, err
+    assert len(json.loads(out)["selected"]) == blocks
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("tiny_stack", "expected MODULE:FACTORY"),
+        (f"{_HERE}:", "expected MODULE:FACTORY"),
+        ("ckptwrap_no_such_module_xyz:build", "cannot import 'ckptwrap_no_such_module_xyz'"),
+        ("no_such_dir/models.py:build", "no such file"),
+        (f"{_HERE}:missing_factory", "has no 'missing_factory'.*tiny_stack"),
+        (f"{_HERE}:NOT_CALLABLE", r"is not callable \(it is int 3\)"),
+        (f"{_HERE}:not_a_module", "returned int, expected an nn.Module"),
+        (f"{_HERE}:needs_arguments", "cannot be called with no arguments"),
+    ],
+)
+def test_a_bad_factory_exits_2_with_one_line(capsys, spec, message):
+    code, out, err = _run(capsys, spec)
+    assert code == 2 and not out
+    assert len(err.strip().splitlines()) == 1
+    assert re.search(message, err), err
+
+
+@pytest.mark.parametrize("shape", ["8,a", "8,,2", "0,16", "-1,16", "8x256", "²", ""])
+def test_a_malformed_shape_exits_2(capsys, shape):
+    code, _, err = _run(capsys, f"{_HERE}:tiny_stack", f"--input-shape={shape}")
+    assert code == 2
+    assert f"bad --input-shape {shape!r}" in err and "such as 8,256" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_a_shape_the_model_cannot_take_exits_2(capsys):
+    code, _, err = _run(capsys, f"{_HERE}:tiny_stack", "--input-shape", "2,7")
+    assert code == 2
+    assert "failed on inputs (2, 7) float32" in err and "--input-shape" in err
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--input-dtype", "long"], "needs --input-high N"),
+        (["--input-dtype", "float32", "--vocab", "10"], "draws integer ids"),
+        (["--vocab", "0"], "at least 1"),
+        (["--device", "no-such-device"], "bad --device"),
+    ],
+)
+def test_inconsistent_input_flags_exit_2(capsys, flags, message):
+    code, _, err = _run(capsys, f"{_HERE}:tiny_stack", "--input-shape", "2,16", *flags)
+    assert code == 2 and message in err
+
+
+def test_a_bad_policy_exits_2_naming_it(capsys):
+    code, _, err = _run(capsys, f"{_HERE}:tiny_stack", "--policy", "evry:2")
+    assert code == 2 and "evry:2" in err and "every" in err
+
+
+def test_an_unreachable_budget_exits_2(capsys):
+    code, _, err = _run(
+        capsys, f"{_HERE}:tiny_stack", "--input-shape", "2,5,16", "--policy", "budget:1%"
+    )
+    assert code == 2 and "smallest reachable peak" in err
+
+
+def test_help_works(capsys):
+    for argv in (["--help"], ["plan", "--help"]):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(argv)
+        assert exit_info.value.code == 0
+    assert "MODULE:FACTORY" in capsys.readouterr().out
+
+
+def test_python_dash_m_runs_the_command():
+    done = subprocess.run(
+        [sys.executable, "-m", "ckptwrap", "plan", f"{_HERE}:tiny_stack"],
+        cwd=_ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "layers.3" in done.stdout
+
+
+# --------------------------------------------------------------------------- --pareto
+
+
+def test_pareto_without_matplotlib_says_how_to_install_it(capsys, monkeypatch, tmp_path):
+    # A None entry makes `import matplotlib` raise ImportError, as if it were not installed.
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    code, out, err = _run(
+        capsys, f"{_HERE}:tiny_stack", "--input-shape", "2,16", "--pareto", str(tmp_path / "f.png")
+    )
+    assert code == 2 and not out
+    assert "install the plot extra: pip install 'ckptwrap[plot]'" in err
+    assert not (tmp_path / "f.png").exists()
+
+
+def test_pareto_needs_inputs(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    code, _, err = _run(capsys, f"{_HERE}:tiny_stack", "--pareto", str(tmp_path / "f.png"))
+    assert code == 2 and "--input-shape" in err
+
+
+def test_pareto_writes_a_png(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "frontier.png"
+    code, out, err = _run(
+        capsys, f"{_HERE}:tiny_stack", "--input-shape", "4,32,16", "--policy", "budget:80%",
+        "--pareto", str(path),
+    )
+    assert code == 0, err
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"saved the memory/time frontier to {path}" in out
+
+
+def test_pareto_into_a_missing_folder_exits_2_before_profiling(capsys, tmp_path):
+    pytest.importorskip("matplotlib")
+    code, _, err = _run(
+        capsys, f"{_HERE}:tiny_stack", "--input-shape", "2,16",
+        "--pareto", str(tmp_path / "nowhere" / "f.png"),
+    )
+    assert code == 2 and "does not exist" in err
+
+
+def test_pareto_candidates_come_from_the_set_terms():
+    model = tiny_stack().train()
+    inputs = (torch.randn(2, 16),)
+    line, references = pareto_points(model, inputs, "name:layers.[12];budget:50%")
+    assert {name for point in line + references for name in point.names} == {
+        "layers.1",
+        "layers.2",
+    }
+    assert references[0].label == "name:layers.[12] (all 2)"
+    _, references = pareto_points(model, inputs, "last:1", ["layers.3"])
+    assert references[0].label == "blocks (all 4)"
+    assert references[-1].label == "policy last:1" and references[-1].names == ("layers.3",)
+
+
+_costs = st.tuples(st.integers(0, 1 << 24), st.integers(0, 1 << 22), st.floats(0.0, 1.0))
+
+
+@given(costs=st.lists(_costs, min_size=1, max_size=12), base=st.integers(0, 1 << 24))
+def test_the_frontier_never_needs_more_time_for_more_memory(costs, base):
+    items = [CostItem(f"layers.{i}", *cost) for i, cost in enumerate(costs)]
+    points = frontier(items, base=base, points=9)
+    peaks = [p.peak for p in points]
+    times = [p.time for p in points]
+    assert peaks == sorted(set(peaks))
+    assert all(later < earlier for earlier, later in zip(times, times[1:]))
+    assert peaks[0] == smallest_reachable_peak(items, base=base)
+    # The largest budget needs no recomputation (zero-time candidates may still be taken).
+    assert times[-1] == 0.0 and peaks[-1] <= predicted_peak(items, (), base=base)
+    index = {item.name: i for i, item in enumerate(items)}
+    for point in points:
+        selected = [index[name] for name in point.names]
+        assert point.peak == predicted_peak(items, selected, base=base)
+        assert point.time == pytest.approx(math.fsum(items[i].time for i in selected))
+
+
+def test_reference_points_model_the_fixed_policies():
+    items = [CostItem(f"layers.{i}", kept=100, inputs=10, time=1.0) for i in range(9)]
+    everything, every_other, sequential = reference_points(items, base=5, candidates="blocks")
+    assert everything.label == "blocks (all 9)" and everything.time == 9.0
+    assert every_other.names == tuple(f"layers.{i}" for i in (0, 2, 4, 6, 8))
+    # sqrt(9) = 3 segments of 3; the last segment is not checkpointed.
+    assert sequential.label == "checkpoint_sequential, 3 segments"
+    assert sequential.names == tuple(f"layers.{i}" for i in range(6))
+    assert sequential.time == 6.0
+    # Two segments each keep one input; one segment (3 x 100) is recomputed at a time,
+    # and the last segment's 300 bytes are kept as usual.
+    assert sequential.peak == 5 + 300 + 2 * 10 + 300
