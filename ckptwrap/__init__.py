@@ -6,6 +6,7 @@ or call ``checkpoint(fn, *args)`` directly; all of them run on ckptwrap's own en
 
 from ._errors import CheckpointError
 from .engine import checkpoint, checkpoint_sequential, is_recomputing, set_checkpoint_early_stop
+from .diagnostics import doctor
 from .wrap import CheckpointWrapper, checkpointed, disabled, plan, unwrap_model, wrap_model
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "checkpoint_sequential",
     "checkpointed",
     "disabled",
+    "doctor",
     "is_recomputing",
     "plan",
     "set_checkpoint_early_stop",

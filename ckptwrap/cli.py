@@ -56,6 +56,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     Returns:
         The exit status: 0 on success, 2 for a bad command line or policy.
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["doctor"]:
+        from .diagnostics import main as doctor_main  # it parses its own arguments
+
+        return doctor_main(argv[1:])
     parser = _build_parser()
     args = parser.parse_args(argv)
     try:
@@ -67,9 +72,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=_PROG, description="Activation checkpointing for PyTorch: plan from the command line."
+        prog=_PROG, description="Activation checkpointing for PyTorch: plan and diagnose from the command line."
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    commands.add_parser(
+        "doctor",
+        help="run a checkpointed and a plain training step and report problems, each with "
+        "its fix (%s doctor --help)" % _PROG,
+    )
     sub = commands.add_parser(
         "plan",
         help="profile a model and print what a policy would checkpoint",

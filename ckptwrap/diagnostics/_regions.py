@@ -1,0 +1,90 @@
+"""Finding the checkpointed regions of a model: modules marked by ``wrap_model``,
+``CheckpointWrapper`` modules and modules whose class has a ``@checkpointed`` forward,
+with every marking that applies to each (a module can be marked more than once)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional, Tuple
+
+from torch import nn
+
+from ..wrap._decorator import decorator_options
+from ..wrap._model import _CheckpointedForward
+from ..wrap._options import CheckpointOptions
+from ..wrap._wrapper import CheckpointWrapper
+
+__all__ = ["Region", "find_regions", "markings_of"]
+
+Marking = Tuple[str, CheckpointOptions]
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """One checkpointed module of the model."""
+
+    name: str
+    """Qualified name in the model."""
+    module: nn.Module
+    """The module (the ``CheckpointWrapper`` itself, for a wrapper)."""
+    markings: Tuple[Marking, ...]
+    """What checkpoints it, outermost first: (``"wrap_model"``, ``"CheckpointWrapper"`` or
+    ``"@checkpointed"``, its options)."""
+    parent: Optional[str] = None
+    """The nearest enclosing region, if this one is nested inside another."""
+
+    @property
+    def reentrant(self) -> bool:
+        """Whether any of its markings uses the re-entrant engine."""
+        return any(options.use_reentrant for _, options in self.markings)
+
+    @property
+    def drops_rng_state(self) -> bool:
+        """Whether any of its markings recomputes without replaying the RNG state."""
+        return any(not options.preserve_rng_state for _, options in self.markings)
+
+    @property
+    def kind(self) -> str:
+        """Class name of the module it runs."""
+        module = self.module
+        if isinstance(module, CheckpointWrapper):
+            module = module.wrapped_module
+        return type(module).__name__
+
+
+def markings_of(module: nn.Module) -> List[Marking]:
+    """Every marking that makes calls of ``module`` checkpointed, outermost first.
+
+    Offloading (``wrap_model(..., "offload")``) recomputes nothing and is not a marking.
+    """
+    found: List[Marking] = []
+    forward = module.__dict__.get("forward")
+    if isinstance(forward, _CheckpointedForward) and not forward.offload:
+        found.append(("wrap_model", forward.options))
+    if isinstance(module, CheckpointWrapper):
+        found.append(("CheckpointWrapper", module.checkpoint_options))
+        # The wrapper calls its module, so whatever marks that module applies as well.
+        return found + markings_of(module.wrapped_module)
+    options = decorator_options(type(module))
+    if options is not None:
+        found.append(("@checkpointed", options))
+    return found
+
+
+def find_regions(model: nn.Module) -> List[Region]:
+    """The checkpointed regions of ``model`` in model order, each with its enclosing region."""
+    regions: List[Region] = []
+    for name, module in model.named_modules():
+        markings = markings_of(module)
+        if not markings:
+            continue
+        parent = next(
+            (
+                outer.name
+                for outer in reversed(regions)
+                if outer.name == "" or name.startswith(outer.name + ".")
+            ),
+            None,
+        )
+        regions.append(Region(name, module, tuple(markings), parent))
+    return regions
