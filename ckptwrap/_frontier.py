@@ -19,6 +19,7 @@ from ._errors import CheckpointConfigError
 from .measure import profile_modules
 from .policy import Blocks, Intersection, Policy, as_policy, split_modifiers
 from .policy._solver import CostItem, predicted_peak, smallest_reachable_peak, solve_budget
+from .wrap._costs import cost_item
 from .wrap import plan
 
 __all__ = ["Point", "frontier", "pareto_points", "reference_points"]
@@ -75,7 +76,7 @@ def pareto_points(
         )
     profile = profile_modules(model, names, inputs)
     costs = [profile[name] for name in names]
-    items = [CostItem(c.name, c.kept_bytes, c.input_bytes, c.forward_time) for c in costs]
+    items = [cost_item(c) for c in costs]
     base = profile.base_bytes
     references = reference_points(items, base=base, candidates=str(candidates))
     index = {name: i for i, name in enumerate(names)}

@@ -45,6 +45,9 @@ class ModuleCost:
     """Seconds for its forward with autograd on: the median over the repeats."""
     flops: int
     """Floating-point operations of its forward, as ``FlopCounterMode`` counts them."""
+    self_saved_input_bytes: int = 0
+    """The part of ``input_bytes`` its own forward saves for backward (counted in the
+    profile's base bytes): a checkpoint of it keeps these at no extra cost."""
     called: bool = True
     """False if the model's forward never called it; every figure is then zero."""
     calls: int = 1
@@ -243,6 +246,7 @@ def _cost(record: Record) -> ModuleCost:
         output_bytes=record.outputs,
         forward_time=record.time,
         flops=record.flops,
+        self_saved_input_bytes=record.self_saved_inputs,
         called=record.calls > 0,
         calls=record.calls,
     )

@@ -104,6 +104,7 @@ class Record:
     calls: int = 0
     kept: int = 0
     outer_kept: int = 0  # from calls not nested in another candidate's: these make the total
+    self_saved_inputs: int = 0  # input bytes it saves itself, counted in the base
     inputs: int = 0
     outputs: int = 0
     flops: int = 0
@@ -271,6 +272,7 @@ class Session:
             # kept bytes: they belong to the base.
             hits = tally.input_hits
             saved = [t for t, copy in zip(inputs, run_inputs) if _keys([copy]) & hits]
+            record.self_saved_inputs += _Tally(self._state_keys).add_tensors(saved).bytes
             self._base.add_tensors(saved)
             torch.set_grad_enabled(False)
         return None

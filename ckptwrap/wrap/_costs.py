@@ -17,7 +17,7 @@ from ..policy import Budget
 from ..policy._solver import CostItem, predicted_peak, solve_budget
 from ._plan import PlanEntry
 
-__all__ = ["MeasuredChoice", "measure_and_choose", "as_example"]
+__all__ = ["MeasuredChoice", "measure_and_choose", "as_example", "cost_item"]
 
 
 class MeasuredChoice:
@@ -36,6 +36,17 @@ class MeasuredChoice:
         self.budget = budget
         self.activation_bytes = profile.total_activation_bytes
         self.predicted_peak = peak
+
+
+def cost_item(cost: Any) -> CostItem:
+    """The solver's view of one measured module.
+
+    A checkpoint keeps the module's inputs; the part of them the module saves itself is
+    already counted in the profile's base bytes (it stays alive either way), so only the
+    rest is extra.
+    """
+    extra_inputs = max(0, int(cost.input_bytes) - int(cost.self_saved_input_bytes))
+    return CostItem(cost.name, int(cost.kept_bytes), extra_inputs, float(cost.forward_time))
 
 
 def as_example(example_inputs: Any, example_kwargs: Optional[Mapping[str, Any]]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
@@ -70,10 +81,7 @@ def measure_and_choose(
     names = [entry.name for entry in candidates]
     with torch.random.fork_rng(devices=[]):
         profile = profile_modules(model, names, args, kwargs)
-    items = [
-        CostItem(cost.name, int(cost.kept_bytes), int(cost.input_bytes), float(cost.forward_time))
-        for cost in (profile[name] for name in names)
-    ]
+    items = [cost_item(profile[name]) for name in names]
     dropped: List[Tuple[str, str]] = []
     budget_bytes = None
     if budget is not None:

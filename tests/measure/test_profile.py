@@ -497,3 +497,20 @@ def test_progress_bar_is_shown_on_a_terminal_for_many_modules() -> None:
     assert not should_show(None, 5, stream=_Terminal())
     assert not should_show(False, 24, stream=_Terminal())
     assert should_show(True, 5)
+
+
+def test_inputs_a_module_saves_itself_are_reported_apart():
+    class SavesInput(torch.nn.Module):
+        def forward(self, x):
+            return x.sin()  # sin saves its input for backward
+
+    class SavesNothingOfIt(torch.nn.Module):
+        def forward(self, x):
+            return x * 2.0  # a product with a constant saves no tensor
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), SavesInput(), SavesNothingOfIt())
+    x = torch.randn(3, 4)
+    profile = profile_modules(model, ["1", "2"], (x,), repeats=0)
+    expected = 3 * 4 * x.element_size()
+    assert profile["1"].input_bytes == profile["1"].self_saved_input_bytes == expected
+    assert profile["2"].input_bytes == expected and profile["2"].self_saved_input_bytes == 0
