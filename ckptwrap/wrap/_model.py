@@ -9,6 +9,7 @@ and after unwrapping.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
@@ -58,7 +59,7 @@ class _CheckpointedForward:
             raise CheckpointConfigError(
                 "This forward belongs to a module that no longer exists; call the module itself."
             )
-        call = self.previous if self.previous is not None else type(module).forward.__get__(module)
+        call = self.previous if self.previous is not None else functools.partial(type(module).forward, module)
         if self.offload:
             return run_offloaded(module, call, args, kwargs)
         return run_region(module, call, args, kwargs, self.options)

@@ -13,9 +13,11 @@ from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import torch
 from torch.nn.modules.batchnorm import _NormBase
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..engine import checkpoint, is_recomputing
 from ._clients import without_cache_writes
+from ._distributed import check_reentrant_region
 from ._options import CheckpointOptions
 from ._switch import is_disabled
 
@@ -40,16 +42,27 @@ def run_region(
         kwargs: Keyword arguments.
         options: Engine options.
     """
-    if not torch.is_grad_enabled() or is_disabled():
+    compiling = torch.compiler.is_compiling()
+    if not torch.is_grad_enabled() or (_disabled_when_compiled() if compiling else is_disabled()):
         return call(*args, **kwargs)
+    if options.use_reentrant and not compiling:
+        check_reentrant_region(owner)
     if isinstance(owner, torch.nn.Module):
         args, kwargs = without_cache_writes(owner, args, kwargs)
-        call = _KeepStats(owner, call)
+        if not compiling:  # compiled code recomputes from its graph, never by calling back here
+            call = _KeepStats(owner, call)
     if options.use_reentrant and kwargs:
         # The re-entrant engine takes positional arguments only; handing it the keyword
         # arguments as one dict keeps their tensors in autograd (it flattens containers).
         return checkpoint(_KeywordsFirst(call), kwargs, *args, **options.as_kwargs())
     return checkpoint(call, *args, **options.as_kwargs(), **kwargs)
+
+
+@torch.compiler.assume_constant_result
+def _disabled_when_compiled() -> bool:
+    # The compiler cannot trace a ContextVar; it calls this once, while compiling, and
+    # builds the switch's value into the graph.
+    return is_disabled()
 
 
 def run_offloaded(
@@ -98,17 +111,20 @@ class _KeepStats:
 @contextlib.contextmanager
 def _statistics_restored(module: torch.nn.Module) -> Iterator[None]:
     saved: List[Tuple[torch.Tensor, torch.Tensor]] = []
-    for sub in module.modules():
-        if isinstance(sub, _NormBase) and sub.training and sub.track_running_stats:
-            for name in _STAT_NAMES:
-                buffer = getattr(sub, name, None)
-                if isinstance(buffer, torch.Tensor):
-                    saved.append((buffer, buffer.detach().clone()))
+    # Outside any dispatch mode of the recomputation (selective checkpointing replays only
+    # the operators its forward recorded, and these copies are not among them).
+    with _disable_current_modes():
+        for sub in module.modules():
+            if isinstance(sub, _NormBase) and sub.training and sub.track_running_stats:
+                for name in _STAT_NAMES:
+                    buffer = getattr(sub, name, None)
+                    if isinstance(buffer, torch.Tensor):
+                        saved.append((buffer, buffer.detach().clone()))
     try:
         yield
     finally:
         # Through .data, so the version counter does not move: the recomputed graph may
         # have saved these buffers, and autograd would take the restore for a mutation.
-        with torch.no_grad():
+        with _disable_current_modes(), torch.no_grad():
             for buffer, value in saved:
                 buffer.data.copy_(value)

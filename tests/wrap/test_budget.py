@@ -7,6 +7,7 @@ costs, and operator counts during recomputation.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import pickle
 import warnings
@@ -19,7 +20,8 @@ import ckptwrap
 from ckptwrap import plan, unwrap_model, wrap_model
 from ckptwrap._errors import CheckpointConfigError
 from ckptwrap.measure import profile_modules
-from ckptwrap.policy._solver import CostItem, predicted_peak
+from ckptwrap.policy._solver import predicted_peak
+from ckptwrap.wrap._costs import cost_item
 
 from ._models import TinyGPT, assert_same, gpt_batch, gpt_loss, grads, make, marked, recompute_counts, step, structure
 
@@ -52,7 +54,7 @@ def test_budget_plan_fits_and_is_optimal_for_the_measured_costs(percent):
     # positive recompute times an optimal plan has no member it could do without.
     names = [f"h.{i}" for i in range(6)]
     profile = profile_modules(model, names, _example(), repeats=1)
-    items = [CostItem(c.name, c.kept_bytes, c.input_bytes, 1.0) for c in profile.modules]
+    items = [dataclasses.replace(cost_item(c), time=1.0) for c in profile.modules]
     chosen = [names.index(name) for name in result.names]
     assert predicted_peak(items, chosen, base=profile.base_bytes) == result.predicted_peak
     for i in chosen:
@@ -186,3 +188,14 @@ def test_offload_tier_recomputes_nothing_and_keeps_gradients():
     step(plain, gpt_loss, gpt_batch())
     assert_same(grads(model), grads(plain), "gradients")
     assert pickle.loads(pickle.dumps(model)).ckptwrap_plan.tier == "offload"
+
+
+def test_selective_tier_with_batchnorm_updates_statistics_once():
+    from ._models import ConvNet, conv_batch, conv_loss
+
+    plain = make(ConvNet).train()
+    model = wrap_model(copy.deepcopy(plain), "blocks;selective:convolution")
+    step(model, conv_loss, conv_batch())
+    step(plain, conv_loss, conv_batch())
+    assert_same(grads(model), grads(plain), "gradients")
+    assert_same(dict(model.named_buffers()), dict(plain.named_buffers()), "running statistics")

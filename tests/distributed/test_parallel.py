@@ -1,0 +1,123 @@
+"""``wrap_model`` under DistributedDataParallel and FSDP2, on two CPU ranks.
+
+Two processes (gloo, loopback) train the tiny GPT for a few steps in every scenario, each
+on half of every global batch; every rank's parameters must then equal those of the
+un-checkpointed model trained in this process on the whole batches. Both ranks run all
+scenarios in one launch, since starting the processes costs more than the training.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _dist_setup import build_model, loopback_environment, reference_parameters
+
+pytestmark = pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()),
+    reason="needs torch.distributed with the gloo backend",
+)
+
+_WORKER = Path(__file__).resolve().parent / "_worker.py"
+_WORLD = 2
+_WRAPPED = {"none": 0, "blocks": 4, "every:2": 2}  # of the GPT's 4 blocks
+
+
+def _scenario(strategy: str, policy: str, *, use_reentrant: bool = False, model: str = "gpt", **ddp: Any):
+    name = f"{strategy}-{policy}" + ("-reentrant" if use_reentrant else "")
+    name += "".join(f"-{key}" for key, value in sorted(ddp.items()) if value)
+    name += "" if model == "gpt" else f"-{model}"
+    return dict(name=name, strategy=strategy, policy=policy, use_reentrant=use_reentrant, model=model, ddp=ddp)
+
+
+SCENARIOS = [
+    _scenario("ddp", "none"),
+    _scenario("ddp", "blocks"),
+    _scenario("ddp", "every:2"),
+    _scenario("ddp", "blocks", use_reentrant=True),
+    # The setups that need static_graph with the re-entrant engine (test_ddp_checks.py).
+    _scenario("ddp", "every:2", use_reentrant=True, static_graph=True, find_unused_parameters=True),
+    _scenario("ddp", "blocks", use_reentrant=True, static_graph=True, model="shared"),
+    _scenario("fsdp2", "none"),
+    _scenario("fsdp2", "blocks"),
+    _scenario("fsdp2", "every:2"),
+    _scenario("fsdp2", "blocks", use_reentrant=True),
+]
+
+
+def _free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _launch(scenarios: List[Dict[str, Any]], out_dir: Path) -> List[Dict[str, Any]]:
+    """Run the worker on every rank, as torchrun would, and load what each rank saved."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_loopback_port()))
+    env.update(WORLD_SIZE=str(_WORLD), OMP_NUM_THREADS="1", **loopback_environment())
+    command = [sys.executable, str(_WORKER), json.dumps(scenarios), str(out_dir)]
+    ranks = [
+        subprocess.Popen(
+            command, env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for rank in range(_WORLD)
+    ]
+    outputs = []
+    try:
+        for process in ranks:
+            outputs.append(process.communicate(timeout=300)[0])
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    for rank, (process, output) in enumerate(zip(ranks, outputs)):
+        assert process.returncode == 0, f"rank {rank} exited with {process.returncode}:\n{output}"
+    return [torch.load(out_dir / f"rank{rank}.pt") for rank in range(_WORLD)]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return _launch(SCENARIOS, tmp_path_factory.mktemp("ranks"))
+
+
+@pytest.fixture(scope="module")
+def references():
+    """Per model kind: (initial parameters, parameters trained in one process)."""
+    return {
+        kind: (_parameters(build_model(kind)), reference_parameters(kind))
+        for kind in {s["model"] for s in SCENARIOS}
+    }
+
+
+def _parameters(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    return {name: param.detach().clone() for name, param in model.named_parameters()}
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=[s["name"] for s in SCENARIOS])
+def test_every_rank_matches_one_process_on_the_global_batch(scenario, ranks, references):
+    start, reference = references[scenario["model"]]
+    for rank, results in enumerate(ranks):
+        result = results[scenario["name"]]
+        assert "error" not in result, f"rank {rank} failed:\n{result['error']}"
+        expected_wrapped = _WRAPPED[scenario["policy"]] - (scenario["model"] == "shared")
+        assert result["wrapped"] == expected_wrapped
+        params = result["params"]
+        assert params.keys() == reference.keys()
+        for name, value in reference.items():
+            assert not torch.equal(value, start[name]), f"{name} did not train"
+            # The reduction order differs from one process's, so equal up to rounding.
+            torch.testing.assert_close(
+                params[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank}, {name}: {m}"
+            )
+
