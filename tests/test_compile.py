@@ -137,3 +137,12 @@ def test_eager_runs_stay_on_ckptwrap_engine(monkeypatch):
     model = ckptwrap.wrap_model(GPT(_CONFIG), "blocks")
     tokens, targets = synthetic_batch(_CONFIG, 2)
     model(tokens, targets).backward()
+
+
+def test_compiled_selective_tier_trains_like_eager():
+    torch.manual_seed(0)
+    reference = GPT(_CONFIG)
+    model = ckptwrap.wrap_model(copy.deepcopy(reference), "blocks;selective")
+    backend = _Recorder()
+    _train_and_compare(reference, model, torch.compile(model, backend=backend, fullgraph=True))
+    assert backend.checkpoints() == len(model.ckptwrap_plan) > 0

@@ -6,7 +6,8 @@ Built on torch's ``create_selective_checkpoint_contexts`` and handed to the engi
 
 from __future__ import annotations
 
-from typing import Any, ContextManager, Tuple
+import functools
+from typing import Any, Tuple
 
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
@@ -15,16 +16,19 @@ from ..policy._ops import resolve_ops
 __all__ = ["SelectiveContexts"]
 
 
-class SelectiveContexts:
-    """``context_fn`` that saves the outputs of ``ops`` and recomputes the rest."""
+class SelectiveContexts(functools.partial):
+    """``context_fn`` that saves the outputs of ``ops`` and recomputes the rest.
 
-    __slots__ = ("ops",)
+    A ``functools.partial`` (the form ``torch.compile`` accepts as a checkpoint's
+    ``context_fn``) that compares by its operators, so equal options stay equal.
+    """
 
-    def __init__(self, ops: Tuple[str, ...]) -> None:
-        self.ops = tuple(ops)
+    def __new__(cls, ops: Tuple[str, ...]) -> "SelectiveContexts":
+        return super().__new__(cls, create_selective_checkpoint_contexts, _SavePolicy(tuple(ops)))
 
-    def __call__(self) -> Tuple[ContextManager, ContextManager]:
-        return create_selective_checkpoint_contexts(_SavePolicy(resolve_ops(self.ops)))
+    @property
+    def ops(self) -> Tuple[str, ...]:
+        return self.args[0].ops
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, SelectiveContexts) and other.ops == self.ops
@@ -40,12 +44,18 @@ class SelectiveContexts:
 
 
 class _SavePolicy:
-    __slots__ = ("packets",)
+    """Saves the outputs of the named operators; holds names so that it pickles."""
 
-    def __init__(self, packets: Any) -> None:
-        self.packets = packets
+    __slots__ = ("ops", "_packets")
+
+    def __init__(self, ops: Tuple[str, ...]) -> None:
+        self.ops = ops
+        self._packets = resolve_ops(ops)
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        if getattr(op, "overloadpacket", op) in self.packets:
+        if getattr(op, "overloadpacket", op) in self._packets:
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        return (_SavePolicy, (self.ops,))
