@@ -65,14 +65,15 @@ class _SavedInputs:
     references, and an in-place change before backward is reported by autograd.
     """
 
-    __slots__ = ("_items", "_spec", "tensors")
+    __slots__ = ("_items", "_spec", "devices")
 
     def __init__(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         if kwargs or not all(_is_simple(a) for a in args):
             leaves, self._spec = _tree.flatten((args, kwargs))
         else:
             leaves, self._spec = list(args), None
-        self.tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        # The accelerators whose RNG state the recomputation must replay.
+        self.devices = _device.devices_of(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
         self._items = [
             _make_saved_tensor(leaf, is_output=False) if isinstance(leaf, torch.Tensor) else leaf
             for leaf in leaves
@@ -297,8 +298,7 @@ def run_checkpointed(
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` so that its saved tensors are recomputed in backward."""
     inputs = _SavedInputs(args, kwargs)
-    devices = _device.devices_of(inputs.tensors)
-    inputs.tensors = []  # only needed until the device state is captured
+    devices = inputs.devices
     cuda_was_ready = torch.cuda.is_initialized()
     state = _device.capture_device_state(devices, preserve_rng_state=preserve_rng_state)
 

@@ -22,12 +22,20 @@ _CACHE_ARGUMENTS = ("past_key_values", "layer_past")
 _warned: set = set()
 
 
-def _is_hf_checkpointing_layer(module: nn.Module) -> bool:
-    # Checked by name so that transformers is never imported on our account.
-    return any(
-        cls.__name__ == "GradientCheckpointingLayer" and cls.__module__.startswith("transformers")
-        for cls in type(module).__mro__
-    )
+_HF_LAYER_CLASSES: Dict[type, bool] = {}
+
+
+def _is_hf_checkpointing_layer(cls: type) -> bool:
+    # Checked by name so that transformers is never imported on our account; once per
+    # class, since every checkpointed forward asks (a plain dict, which the compiler reads).
+    known = _HF_LAYER_CLASSES.get(cls)
+    if known is None:
+        known = _HF_LAYER_CLASSES[cls] = any(
+            base.__name__ == "GradientCheckpointingLayer"
+            and base.__module__.startswith("transformers")
+            for base in cls.__mro__
+        )
+    return known
 
 
 def without_cache_writes(
@@ -40,7 +48,7 @@ def without_cache_writes(
     """
     if not isinstance(module, nn.Module) or not module.training:
         return args, kwargs
-    if not _is_hf_checkpointing_layer(module):
+    if not _is_hf_checkpointing_layer(type(module)):
         return args, kwargs
     signature = _signature(type(module))
     try:

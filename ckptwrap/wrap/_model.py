@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .._errors import CheckpointConfigError
-from ..policy import Offload, Selective, as_policy, split_modifiers
+from ..policy import Budget, Offload, Selective, as_policy, split_modifiers
 from ._costs import as_example, measure_and_choose
 from ._selective import SelectiveContexts
 from ._decorator import decorator_options
@@ -120,6 +120,31 @@ def plan(
         CheckpointConfigError: The policy or an option is not valid for this model, or a
             selected module is already checkpointed with different options.
     """
+    unmeasured, budget = _select(model, policy, nested, options)
+    if budget is None and example_inputs is None and example_kwargs is None:
+        return unmeasured
+    if example_inputs is None and example_kwargs is None:
+        raise CheckpointConfigError(
+            f"{budget.describe()} chooses modules from measured costs, so plan() needs "
+            f"example_inputs=(...) for one training forward of {type(model).__name__}; "
+            f"wrap_model without them measures on the first training forward instead."
+        )
+    args, kwargs = as_example(example_inputs, example_kwargs)
+    choice = measure_and_choose(model, unmeasured.selected, budget, args, kwargs)
+    return dataclasses.replace(
+        unmeasured,
+        selected=tuple(choice.entries),
+        dropped=unmeasured.dropped + tuple(choice.dropped),
+        budget=choice.budget,
+        activation_bytes=choice.activation_bytes,
+        predicted_peak=choice.predicted_peak,
+    )
+
+
+def _select(
+    model: nn.Module, policy: Any, nested: bool, options: Dict[str, Any]
+) -> Tuple[Plan, Optional[Budget]]:
+    """The plan before any measurement (a budget's candidates), and the budget term."""
     if not isinstance(model, nn.Module):
         raise CheckpointConfigError(f"expected an nn.Module to plan for, got {type(model).__name__}.")
     if not isinstance(nested, bool):
@@ -130,13 +155,14 @@ def plan(
     tier_name, ops, resolved = _apply_tier(tier, resolved)
     names = rest.select(model)
     modules = dict(model.named_modules())
-    existing = [name for name, module in modules.items() if name and _marking(module) is not None]
+    markings = {name: _marking(module) for name, module in modules.items() if name}
+    existing = [name for name, marking in markings.items() if marking is not None]
 
     selected: List[PlanEntry] = []
     dropped: List[Tuple[str, str]] = []
     for name in _callable_modules(names, modules, dropped):
         module = modules[name]
-        marking = _marking(module)
+        marking = markings[name]
         if marking is not None:
             how, their_options = marking
             if their_options != resolved:
@@ -159,27 +185,16 @@ def plan(
                 )
                 continue
         selected.append(PlanEntry(name, type(module).__name__))
-    common = dict(
-        policy=str(policy_object), options=resolved, nested=nested, tier=tier_name, selective_ops=ops
+    unmeasured = Plan(
+        policy=str(policy_object),
+        options=resolved,
+        selected=tuple(selected),
+        dropped=tuple(dropped),
+        nested=nested,
+        tier=tier_name,
+        selective_ops=ops,
     )
-    if budget is None and example_inputs is None and example_kwargs is None:
-        return Plan(selected=tuple(selected), dropped=tuple(dropped), **common)
-    if example_inputs is None and example_kwargs is None:
-        raise CheckpointConfigError(
-            f"{budget.describe()} chooses modules from measured costs, so plan() needs "
-            f"example_inputs=(...) for one training forward of {type(model).__name__}; "
-            f"wrap_model without them measures on the first training forward instead."
-        )
-    args, kwargs = as_example(example_inputs, example_kwargs)
-    choice = measure_and_choose(model, selected, budget, args, kwargs)
-    return Plan(
-        selected=tuple(choice.entries),
-        dropped=tuple(dropped + choice.dropped),
-        budget=choice.budget,
-        activation_bytes=choice.activation_bytes,
-        predicted_peak=choice.predicted_peak,
-        **common,
-    )
+    return unmeasured, budget
 
 
 def _apply_tier(
@@ -258,19 +273,17 @@ def wrap_model(
         >>> model = wrap_model(AutoModelForCausalLM.from_config(cfg), "every:2")
         >>> print(model.ckptwrap_plan)
     """
-    measure_later = (
-        example_inputs is None
-        and example_kwargs is None
-        and split_modifiers(as_policy(policy))[1] is not None
-    )
-    if measure_later:
+    if example_inputs is None and example_kwargs is None:
         # Everything that can be checked without costs is checked now.
-        pending = plan(model, _without_budget(policy), nested=nested, **options)
-        _remove_pending(model)
-        model.register_forward_pre_hook(
-            _PlanOnFirstForward(policy, nested, options), with_kwargs=True
-        )
-        setattr(model, PLAN_ATTRIBUTE, dataclasses.replace(pending, policy=str(as_policy(policy)), pending=True))
+        unmeasured, budget = _select(model, policy, nested, options)
+        if budget is not None:
+            _remove_pending(model)
+            model.register_forward_pre_hook(
+                _PlanOnFirstForward(policy, nested, options), with_kwargs=True
+            )
+            setattr(model, PLAN_ATTRIBUTE, dataclasses.replace(unmeasured, pending=True))
+            return model
+        _apply(model, unmeasured)
         return model
     applied = plan(
         model, policy, nested=nested, example_inputs=example_inputs,
@@ -289,14 +302,6 @@ def _apply(model: nn.Module, applied: Plan) -> None:
             module, applied.options, module.__dict__.get("forward"), offload
         )
     setattr(model, PLAN_ATTRIBUTE, applied)
-
-
-def _without_budget(policy: Any) -> Any:
-    from ..policy import Intersection
-
-    rest, _, tier = split_modifiers(as_policy(policy))
-    return rest if tier is None else Intersection(sets=(rest,) if not rest._is_picker else (),
-                                                   pickers=((rest,) if rest._is_picker else ()) + (tier,))
 
 
 class _PlanOnFirstForward:

@@ -43,7 +43,7 @@ def run_region(
         options: Engine options.
     """
     compiling = torch.compiler.is_compiling()
-    if not torch.is_grad_enabled() or (_disabled_when_compiled() if compiling else is_disabled()):
+    if _switched_off(compiling):
         return call(*args, **kwargs)
     if options.use_reentrant and not compiling:
         check_reentrant_region(owner)
@@ -56,6 +56,13 @@ def run_region(
         # arguments as one dict keeps their tensors in autograd (it flattens containers).
         return checkpoint(_KeywordsFirst(call), kwargs, *args, **options.as_kwargs())
     return checkpoint(call, *args, **options.as_kwargs(), **kwargs)
+
+
+def _switched_off(compiling: bool) -> bool:
+    """Autograd is off, or ckptwrap is (``disabled()``): run regions plainly."""
+    if not torch.is_grad_enabled():
+        return True
+    return _disabled_when_compiled() if compiling else is_disabled()
 
 
 @torch.compiler.assume_constant_result
@@ -73,10 +80,11 @@ def run_offloaded(
     Nothing is recomputed; saved tensors of CUDA regions go to pinned host memory and come
     back in backward. On the CPU this moves nothing and only marks the region.
     """
-    if not torch.is_grad_enabled() or is_disabled():
+    if _switched_off(torch.compiler.is_compiling()):
         return call(*args, **kwargs)
-    on_cuda = any(p.is_cuda for p in owner.parameters(recurse=True))
-    with torch.autograd.graph.save_on_cpu(pin_memory=on_cuda):
+    # Pinned host memory speeds copies from CUDA and needs CUDA; whether CUDA is in use is
+    # one flag read, where asking the module would walk its parameters on every call.
+    with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_initialized()):
         return call(*args, **kwargs)
 
 
