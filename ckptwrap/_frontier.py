@@ -19,7 +19,7 @@ from ._errors import CheckpointConfigError
 from .measure import profile_modules
 from .policy import Blocks, Intersection, Policy, as_policy, split_modifiers
 from .policy._solver import CostItem, predicted_peak, smallest_reachable_peak, solve_budget
-from .wrap._costs import cost_item
+from .wrap._costs import forward_items
 from .wrap import plan
 
 __all__ = ["Point", "frontier", "pareto_points", "reference_points"]
@@ -75,8 +75,9 @@ def pareto_points(
             f"frontier over; give a policy whose set terms select some modules"
         )
     profile = profile_modules(model, names, inputs)
-    costs = [profile[name] for name in names]
-    items = [cost_item(c) for c in costs]
+    ordered = forward_items(profile, names)
+    names = [name for name, _ in ordered]
+    items = [item for _, item in ordered]
     base = profile.base_bytes
     references = reference_points(items, base=base, candidates=str(candidates))
     index = {name: i for i, name in enumerate(names)}

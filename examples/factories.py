@@ -54,15 +54,18 @@ def conv_pyramid() -> "ConvPyramid":
         python -m ckptwrap plan examples/factories.py:conv_pyramid \\
             --input-shape 8,3,128,128 --policy budget:70%
 
-    Checkpointing its blocks cannot bring activation memory below about 60%: the stem's
-    activations and every block's input stay, and the largest block is recomputed whole,
-    so ``budget:50%`` is refused with the smallest reachable peak.
+    Checkpointing its blocks cannot bring activation memory below about 40%: the stem's
+    activations and every block's output stay (the next block saves it), and one block is
+    recomputed at a time, so ``budget:25%`` is refused with the smallest reachable peak.
     """
     return ConvPyramid(in_channels=3, widths=(16, 32, 64, 128), blocks_per_stage=2, classes=10)
 
 
 class ResidualBlock(nn.Module):
-    """Conv-BN-ReLU-Conv-BN on a residual, then ReLU, as in ResNet.
+    """Conv-BN-ReLU-Conv-BN on a residual, then ReLU, as in ResNet's basic block.
+
+    As there, the ReLUs and the residual add work in place, so a block holds no
+    temporaries beside what it saves for backward.
 
     Args:
         in_channels: Channels of the input.
@@ -75,7 +78,7 @@ class ResidualBlock(nn.Module):
         super().__init__()
         self.conv1 = nn.Conv2d(in_channels, out_channels, 3, stride=stride, padding=1, bias=False)
         self.bn1 = nn.BatchNorm2d(out_channels)
-        self.relu = nn.ReLU()
+        self.relu = nn.ReLU(inplace=True)
         self.conv2 = nn.Conv2d(out_channels, out_channels, 3, padding=1, bias=False)
         self.bn2 = nn.BatchNorm2d(out_channels)
         self.shortcut: nn.Module = nn.Identity()
@@ -87,7 +90,8 @@ class ResidualBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x)))))
-        return self.relu(self.shortcut(x) + out)
+        out += self.shortcut(x)
+        return self.relu(out)
 
 
 class ConvPyramid(nn.Module):

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .._errors import CheckpointConfigError
-from ._profile_run import Record, Session
+from ._profile_run import Record, SavePolicy, Session
 from ._progress import ProgressBar, should_show
 
 __all__ = ["ModuleCost", "ModelProfile", "profile_modules"]
@@ -52,6 +52,29 @@ class ModuleCost:
     """False if the model's forward never called it; every figure is then zero."""
     calls: int = 1
     """How many times the model's forward called it (recursive calls of itself not counted)."""
+    forward_peak_bytes: int = 0
+    """The most bytes that storages created by its forward held at one time: saved tensors,
+    temporaries and outputs; what a recomputation of it needs at its highest."""
+    handed_over_bytes: int = 0
+    """The part of ``kept_bytes`` (its own saved outputs) that the forward after it saves
+    as well, the next block's first layer for one: counted in the profile's base bytes,
+    since a checkpoint of this module does not free it."""
+    base_before_bytes: Optional[int] = None
+    """The part of the profile's base bytes saved before its (last) call began, its own
+    saved inputs included: what of the base is still alive when backward reaches it. None
+    if it was never called outside another candidate."""
+    position: int = -1
+    """Where its (last) call comes among the candidates' calls that are not nested in
+    another candidate's, from 0; -1 if there is none."""
+    policy_saved_bytes: int = 0
+    """With a save policy: bytes of the outputs of the operators it saves, which a selective
+    checkpoint of the module keeps until backward."""
+    policy_saved_kept_bytes: int = 0
+    """The part of ``policy_saved_bytes`` that the plain forward saves for backward too
+    (in ``kept_bytes``): a selective recomputation need not rebuild it."""
+    recompute_time: Optional[float] = None
+    """With a save policy: seconds its forward takes when the saved outputs are replayed,
+    what a selective recomputation costs; None without one (``forward_time`` then)."""
 
     def to_dict(self) -> Dict[str, Any]:
         """The fields as a JSON-friendly dict."""
@@ -62,8 +85,8 @@ class ModuleCost:
 class ModelProfile:
     """The costs of the candidate modules of one model on one example input.
 
-    ``total_activation_bytes == base_bytes + sum of kept_bytes`` over the candidates whose
-    calls are not nested inside another candidate's call.
+    ``total_activation_bytes == base_bytes + sum of (kept_bytes - handed_over_bytes)`` over
+    the candidates whose calls are not nested inside another candidate's call.
     """
 
     modules: Tuple[ModuleCost, ...]
@@ -72,8 +95,9 @@ class ModelProfile:
     """Bytes of the distinct storages a plain forward with autograd on saves for backward,
     other than parameters, buffers and the model's inputs."""
     base_bytes: int
-    """The part of the total that no candidate keeps: storages saved outside the candidates,
-    and candidate inputs that the candidates save (a checkpoint would keep those as well)."""
+    """The part of the total that no checkpoint frees: storages saved outside the candidates,
+    candidate inputs that the candidates save (a checkpoint would keep those as well), and
+    candidate outputs that the forward after them saves again."""
     _index: Dict[str, ModuleCost] = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -117,6 +141,7 @@ def profile_modules(
     *,
     repeats: int = 3,
     progress: Optional[bool] = None,
+    save_policy: Optional[SavePolicy] = None,
 ) -> ModelProfile:
     """Measure what each named module costs in one forward of ``model``.
 
@@ -151,6 +176,10 @@ def profile_modules(
             skips timing and leaves every ``forward_time`` at zero.
         progress: ``True`` or ``False`` to force a progress bar on standard error on or off;
             ``None`` draws one only on a terminal and for more than about twenty candidates.
+        save_policy: A selective-checkpointing policy, as given to torch's
+            ``create_selective_checkpoint_contexts``: each module's forward is then also
+            measured as a selective checkpoint of it would run (``policy_saved_bytes``,
+            ``policy_saved_kept_bytes``, ``recompute_time``).
 
     Returns:
         A :class:`ModelProfile` with one :class:`ModuleCost` per name, in model order.
@@ -179,7 +208,14 @@ def profile_modules(
         label="profiling memory",
         enabled=should_show(progress, len(targets)),
     )
-    session = Session(model, targets, args, kwargs, repeats=repeats, bar=bar)
+    if save_policy is not None and not callable(save_policy):
+        raise CheckpointConfigError(
+            f"save_policy must be a callable policy(ctx, op, *args, **kwargs), got "
+            f"{type(save_policy).__name__}"
+        )
+    session = Session(
+        model, targets, args, kwargs, repeats=repeats, bar=bar, save_policy=save_policy
+    )
     state = _ModelState(model)
     grad_mode = torch.is_grad_enabled()
     try:
@@ -192,7 +228,7 @@ def profile_modules(
     # Calls nested in another candidate's call are inside that one's kept bytes already.
     kept = sum(record.outer_kept for record in session.records)
     return ModelProfile(
-        modules=tuple(_cost(record) for record in session.records),
+        modules=tuple(_cost(record, save_policy is not None) for record in session.records),
         total_activation_bytes=session.base_bytes + kept,
         base_bytes=session.base_bytes,
     )
@@ -237,7 +273,7 @@ def _unknown_names_message(model: nn.Module, unknown: List[str], valid: List[str
     )
 
 
-def _cost(record: Record) -> ModuleCost:
+def _cost(record: Record, replayed: bool) -> ModuleCost:
     return ModuleCost(
         name=record.name,
         kind=type(record.module).__name__,
@@ -249,6 +285,13 @@ def _cost(record: Record) -> ModuleCost:
         self_saved_input_bytes=record.self_saved_inputs,
         called=record.calls > 0,
         calls=record.calls,
+        forward_peak_bytes=record.forward_peak,
+        handed_over_bytes=record.handed_over,
+        base_before_bytes=record.base_before,
+        position=record.position,
+        policy_saved_bytes=record.policy_saved,
+        policy_saved_kept_bytes=record.policy_saved_kept,
+        recompute_time=record.replay_time if replayed else None,
     )
 
 

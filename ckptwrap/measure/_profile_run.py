@@ -13,13 +13,24 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequ
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    SelectiveCheckpointContext,
+    create_selective_checkpoint_contexts,
+)
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 
+from ._peak import _StorageCounter
 from ._progress import ProgressBar
 
-__all__ = ["Record", "Session"]
+__all__ = ["Record", "Session", "SavePolicy"]
+
+SavePolicy = Callable[..., CheckpointPolicy]
+"""A selective-checkpointing policy: ``policy(ctx, op, *args, **kwargs)`` says whether the
+output of ``op`` is saved (``MUST_SAVE``/``PREFER_SAVE``) or recomputed."""
+_SAVES = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
 
 
 def _tensor_storages(tensor: torch.Tensor) -> Iterator[torch.UntypedStorage]:
@@ -57,7 +68,9 @@ class _Tally:
         self.input_hits: set = set()
         self._excluded = frozenset(excluded)
         self._inputs = frozenset(inputs)
-        self._seen: Dict[int, StorageWeakRef] = {}
+        self._seen: Dict[int, Tuple[StorageWeakRef, int]] = {}
+        # Storages another tally counted first, and what to tell it if this one takes them.
+        self.claims: Dict[int, Callable[[int], None]] = {}
 
     def add(self, storage: torch.UntypedStorage, *, count: bool = True) -> None:
         key = storage._cdata
@@ -66,9 +79,12 @@ class _Tally:
         if key in self._inputs:
             self.input_hits.add(key)
             return
-        self._seen[key] = StorageWeakRef(storage)
+        self._seen[key] = (StorageWeakRef(storage), storage.nbytes() if count else 0)
         if count:
             self.bytes += storage.nbytes()
+            claim = self.claims.pop(key, None)
+            if claim is not None:
+                claim(storage.nbytes())
 
     def add_tensors(self, tensors: Iterable[torch.Tensor], *, count: bool = True) -> "_Tally":
         for tensor in tensors:
@@ -78,6 +94,10 @@ class _Tally:
 
     def holds(self, tensor: torch.Tensor) -> bool:
         return bool(_keys([tensor]) & self._seen.keys())
+
+    def shared_bytes(self, other: "_Tally") -> int:
+        """Bytes of the storages counted both here and in ``other``."""
+        return sum(self._seen[key][1] for key in self._seen.keys() & other._seen.keys())
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         """A saved-tensors pack hook: note the storage and save the tensor unchanged."""
@@ -95,6 +115,22 @@ def _saving(tally: _Tally) -> torch.autograd.graph.saved_tensors_hooks:
     return torch.autograd.graph.saved_tensors_hooks(tally.pack, lambda tensor: tensor)
 
 
+class _PolicyTally(TorchDispatchMode):
+    """Notes in ``tally`` the outputs of the operators that ``policy`` would save."""
+
+    def __init__(self, policy: SavePolicy, tally: _Tally) -> None:
+        super().__init__()
+        self._policy, self._tally = policy, tally
+        self._context = SelectiveCheckpointContext(is_recompute=False)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self._policy(self._context, func, *args, **kwargs) in _SAVES:
+            self._tally.add_tensors(_tensors(out))
+        return out
+
+
 @dataclasses.dataclass
 class Record:
     """What the calls of one candidate have added up to so far."""
@@ -109,6 +145,13 @@ class Record:
     outputs: int = 0
     flops: int = 0
     time: float = 0.0
+    replay_time: float = 0.0  # with a save policy: the forward replaying the saved outputs
+    forward_peak: int = 0  # most bytes its forward's own storages held at once
+    handed_over: int = 0  # kept bytes of its outputs that what follows saves as well
+    policy_saved: int = 0  # bytes of the outputs the save policy keeps
+    policy_saved_kept: int = 0  # the part of those its plain forward saves as well
+    base_before: Optional[int] = None  # base bytes when its last outermost call began
+    position: int = -1  # order of its last outermost call among all outermost calls
     depth: int = 0  # > 1 while the module is inside a call of itself
     timed: int = 0
     # Per call of the memory pass: which tensor inputs need grad, and the grad mode; the
@@ -138,8 +181,11 @@ class Session:
         *,
         repeats: int,
         bar: ProgressBar,
+        save_policy: Optional[SavePolicy] = None,
     ) -> None:
         self._model = model
+        self._policy = save_policy
+        self._calls = 0  # outermost candidate calls so far in the memory pass
         self._args = args
         self._kwargs = kwargs
         self._repeats = repeats
@@ -245,13 +291,17 @@ class Session:
         grads = [self._needs_grad(t, guess=nested) for t in inputs]
         run_args, run_kwargs, run_inputs = self._copies(args, kwargs, grads)
         tally = _Tally(self._excluded, inputs=_keys(run_inputs))
+        policy_tally = _Tally(self._excluded | _keys(run_inputs))
         counter = FlopCounterMode(display=False)
+        watch = contextlib.nullcontext() if self._policy is None else _PolicyTally(self._policy, policy_tally)
+        # What a recomputation holds at its highest: saved tensors and temporaries alike.
+        meter = _StorageCounter(_device_of(run_inputs, module).type)
         self._busy = True
         try:
             # The module's forward alone, skipping its hooks (they ran for the real call);
             # the RNG is put back so the real call draws the same numbers.
             with RngState(self._devices).kept(), torch.set_grad_enabled(grad):
-                with _saving(tally), counter:
+                with _saving(tally), counter, watch, meter:
                     output = module.forward(*run_args, **run_kwargs)
             outputs = _tensors(output)
             out_grads = [t.requires_grad for t in outputs]
@@ -265,6 +315,9 @@ class Session:
         record.outer_kept += 0 if nested else tally.bytes
         record.inputs += _Tally(self._state_keys).add_tensors(inputs).bytes
         record.flops += counter.get_total_flops()
+        record.forward_peak += meter.peak_bytes
+        record.policy_saved += policy_tally.bytes
+        record.policy_saved_kept += policy_tally.shared_bytes(tally)
         record.call_modes.append((grads, grad))
         self._frames.append(frame)
         if not nested:
@@ -274,6 +327,9 @@ class Session:
             saved = [t for t, copy in zip(inputs, run_inputs) if _keys([copy]) & hits]
             record.self_saved_inputs += _Tally(self._state_keys).add_tensors(saved).bytes
             self._base.add_tensors(saved)
+            # Backward reaches this call once everything saved after it is freed.
+            record.base_before, record.position = self._base.bytes, self._calls
+            self._calls += 1
             torch.set_grad_enabled(False)
         return None
 
@@ -284,9 +340,9 @@ class Session:
         if frame.nested:
             return None
         torch.set_grad_enabled(frame.grad)
-        return self._stand_in(output, frame)
+        return self._stand_in(output, frame, self._records[id(module)])
 
-    def _stand_in(self, output: Any, frame: _Frame) -> Any:
+    def _stand_in(self, output: Any, frame: _Frame, record: Record) -> Any:
         """Outputs that need grad like those of a forward with autograd on, so that what
         follows the module saves for backward what it would in a real forward."""
         leaves, spec = tree_flatten(output)
@@ -298,14 +354,25 @@ class Session:
             if known:
                 needs_grad = frame.out_grads[index]
                 if frame.out_kept[index]:
-                    # Already in the module's kept bytes; saved again outside, it is not new.
-                    self._base.add_tensors([leaf], count=False)
+                    self._hand_over(leaf, record)
             else:
                 needs_grad = frame.grad and self._needs_grad(leaf, guess=True)
             index += 1
             if needs_grad and not leaf.requires_grad and _differentiable(leaf):
                 leaves[position] = leaf.detach().requires_grad_()
         return tree_unflatten(leaves, spec)
+
+    def _hand_over(self, output: torch.Tensor, record: Record) -> None:
+        """An output the module saves is in its kept bytes. If what follows saves it too
+        (the next block's first layer, say), checkpointing the module does not free it:
+        it is then counted in the base, and noted as handed over."""
+
+        def claim(nbytes: int) -> None:
+            record.handed_over += nbytes
+            record.outer_kept -= nbytes
+
+        for storage in _tensor_storages(output):
+            self._base.claims.setdefault(storage._cdata, claim)
 
     def _time_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         record = self._enter(module)
@@ -326,9 +393,16 @@ class Session:
                     _time_forward(module, run_args, run_kwargs, device)
                     for _ in range(self._repeats)
                 ]
+                replays = samples
+                if self._policy is not None:
+                    replays = [
+                        _time_replay(module, run_args, run_kwargs, device, self._policy)
+                        for _ in range(self._repeats)
+                    ]
         finally:
             self._busy = False
         record.time += statistics.median(samples)
+        record.replay_time += statistics.median(replays)
         return None
 
     def _time_post(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -418,6 +492,19 @@ def _time_forward(
     elapsed = time.perf_counter() - start_time
     del output
     return elapsed
+
+
+def _time_replay(
+    module: nn.Module, args: Any, kwargs: Dict[str, Any], device: torch.device, policy: SavePolicy
+) -> float:
+    """Seconds a selective recomputation of ``module`` takes: its forward, with the outputs
+    ``policy`` saves taken from a first, untimed forward instead of computed."""
+    record, replay = create_selective_checkpoint_contexts(policy)
+    with record:
+        output = module.forward(*args, **kwargs)
+    del output
+    with replay:
+        return _time_forward(module, args, kwargs, device)
 
 
 def _synchronizer(device: torch.device) -> Callable[[], None]:

@@ -1,15 +1,17 @@
 """The exact solver behind the budget planner: which candidates to checkpoint so that the
 predicted activation peak fits a budget at the least recompute time.
 
-It knows nothing of modules; the planner hands it one :class:`CostItem` per candidate.
+It knows nothing of modules; the planner hands it one :class:`CostItem` per candidate, in
+the order the forward runs them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import numbers
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -35,6 +37,7 @@ _APPROX_CELLS = 1 << 24
 # Memory bound (items x steps) of the choice bits kept for reconstruction.
 _MAX_CELLS = 1 << 26
 _BYTE_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
+_NEVER = 1 << 62  # an unreachable entry's key
 
 
 def format_bytes(n: int) -> str:
@@ -56,7 +59,7 @@ class CostItem:
 
     Example:
         >>> CostItem("layers.0", kept=8 << 20, inputs=1 << 20, time=0.002)
-        CostItem(name='layers.0', kept=8388608, inputs=1048576, time=0.002)
+        CostItem(name='layers.0', kept=8388608, inputs=1048576, time=0.002, rebuilt=8388608, before=None)
     """
 
     name: str
@@ -64,13 +67,25 @@ class CostItem:
     kept: int
     """Bytes its forward keeps for backward when it is not checkpointed."""
     inputs: int
-    """Bytes of its inputs, which stay alive when it is checkpointed."""
+    """Bytes a checkpoint of it keeps from its forward to its backward instead: its inputs,
+    and whatever a selective policy saves."""
     time: float
-    """Seconds its forward takes, i.e. what recomputing it costs."""
+    """Seconds its recomputation takes."""
+    rebuilt: Optional[int] = None
+    """Bytes its recomputation creates and holds until its backward; ``None`` means
+    ``kept`` (a full recomputation rebuilds all of it)."""
+    before: Optional[int] = None
+    """Bytes of the activations outside every candidate (the solver's ``base``) that the
+    forward saved before this candidate ran, and so are still alive when backward reaches
+    it; ``None`` means all of ``base``, the safe assumption."""
 
     def __post_init__(self) -> None:
-        for field in ("kept", "inputs"):
+        if self.rebuilt is None:
+            object.__setattr__(self, "rebuilt", self.kept)
+        for field in ("kept", "inputs", "rebuilt", "before"):
             value = getattr(self, field)
+            if field == "before" and value is None:
+                continue
             if not _is_int(value) or value < 0:
                 raise CheckpointConfigError(
                     f"cost item {self.name!r}: {field} must be a non-negative integer number "
@@ -94,10 +109,10 @@ class CostItem:
 class BudgetSolution:
     """The solver's plan.
 
-    When ``unit`` divides what each useful candidate saves (``kept - inputs``), as it does
-    when those savings span at most ~32k units, the plan is optimal. Otherwise savings were
-    rounded down to ``unit``: the plan still fits the budget, but may recompute more than
-    the optimum.
+    When ``unit`` divides every candidate's ``kept`` and the ``inputs`` of those that save
+    memory, as it does when the total ``kept`` spans at most ~32k units, the plan is
+    optimal. Otherwise sizes were rounded up to ``unit``: the plan still fits the budget,
+    but may recompute more than the optimum.
     """
 
     selected: Tuple[int, ...]
@@ -105,7 +120,7 @@ class BudgetSolution:
     predicted_peak: int
     """Predicted activation peak of the plan, in bytes (exact, not rounded)."""
     recompute_time: float
-    """Seconds of recomputation the plan adds: the summed forward times of ``selected``."""
+    """Seconds of recomputation the plan adds: the summed times of ``selected``."""
     budget: int
     """The budget it was solved for, in bytes."""
     unit: int
@@ -115,19 +130,29 @@ class BudgetSolution:
 def predicted_peak(items: Sequence[CostItem], selected: Iterable[int], *, base: int) -> int:
     """Predicted activation peak, in bytes, when the candidates ``selected`` are checkpointed.
 
-    It is ``base`` + ``kept`` of every other candidate + ``inputs`` of every selected one
-    + the largest ``kept`` among the selected (recomputed during backward, one at a time).
+    ``items`` are in forward order, so backward reaches them last to first. The peak is
+    the larger of two moments:
+
+    - the end of the forward: ``base`` + ``kept`` of every other candidate + ``inputs`` of
+      every selected one;
+    - each selected candidate's recomputation, when backward has freed everything saved
+      after it: its ``before`` + what the candidates ahead of it hold (``kept``, or
+      ``inputs`` if selected) + its own ``inputs`` + ``rebuilt``.
 
     Args:
-        items: The candidates, in model order.
+        items: The candidates, in forward order.
         selected: Indices into ``items`` of the checkpointed candidates.
         base: Bytes of activations outside every candidate.
 
     Raises:
         CheckpointConfigError: On a bad item, index or ``base``.
+
+    Example:
+        >>> items = [CostItem(f"l{i}", kept=100, inputs=10, time=1.0) for i in range(3)]
+        >>> predicted_peak(items, [0, 1], base=5)  # end of forward: 5 + 100 + 10 + 10
+        125
     """
-    _check_items(items)
-    base = _check_bytes(base, "base")
+    base = _check(items, base)
     chosen = set()
     for index in selected:
         if not _is_int(index) or not 0 <= index < len(items):
@@ -139,23 +164,27 @@ def predicted_peak(items: Sequence[CostItem], selected: Iterable[int], *, base: 
 
 
 def smallest_reachable_peak(items: Sequence[CostItem], *, base: int) -> int:
-    """The least predicted peak of any selection of ``items``, in bytes (exact).
+    """The least predicted peak of any selection of ``items``, in bytes.
+
+    Exact on the same condition as :func:`solve_budget`'s plans; otherwise an upper bound
+    that a selection reaches.
 
     Raises:
         CheckpointConfigError: On a bad item or ``base``.
     """
-    _check_items(items)
-    return _lowest_peak(items, _check_bytes(base, "base"))[0]
+    base = _check(items, base)
+    return _peak(items, _Search(items, base, None).run(), base)
 
 
 def solve_budget(items: Sequence[CostItem], budget: int, *, base: int) -> BudgetSolution:
     """The selection of least recompute time whose predicted peak fits ``budget``.
 
     Ties in time go to the smaller peak, then to fewer candidates. A budget that the
-    un-checkpointed model already meets selects nothing.
+    un-checkpointed model already meets selects nothing. The peak is that of
+    :func:`predicted_peak`.
 
     Args:
-        items: The candidates, in model order.
+        items: The candidates, in forward order.
         budget: Bytes the predicted activation peak may reach.
         base: Bytes of activations outside every candidate.
 
@@ -168,28 +197,33 @@ def solve_budget(items: Sequence[CostItem], budget: int, *, base: int) -> Budget
 
     Example:
         >>> items = [CostItem(f"l{i}", kept=100, inputs=10, time=1.0) for i in range(4)]
-        >>> solve_budget(items, 350, base=0)
-        BudgetSolution(selected=(0, 1), predicted_peak=320, recompute_time=2.0, budget=350, unit=90)
+        >>> solve_budget(items, 250, base=0)
+        BudgetSolution(selected=(0, 1), predicted_peak=220, recompute_time=2.0, budget=250, unit=10)
     """
-    _check_items(items)
+    base = _check(items, base)
     budget = _check_bytes(budget, "budget")
-    base = _check_bytes(base, "base")
-    if base + sum(item.kept for item in items) <= budget:
+    if _peak(items, (), base) <= budget:
         return BudgetSolution((), _peak(items, (), base), 0.0, budget, 1)
-    lowest, lowest_set = _lowest_peak(items, base)
-    if budget < lowest:
+    search = _Search(items, base, budget)
+    selected = search.run()
+    if selected is None:
+        lowest_set = _Search(items, base, None).run()
+        lowest = _peak(items, lowest_set, base)
+    if selected is None and lowest <= budget:
+        # On a coarse axis rounding can hide plans that fit; the lowest-peak one does.
+        selected = search.refine(lowest_set)
+    elif selected is None:
         raise CheckpointConfigError(
             f"budget {_exact_bytes(budget)} is below the smallest reachable peak "
             f"{_exact_bytes(lowest)}, {_describe(items, lowest_set)}; raise the budget to at "
             f"least {format_bytes(lowest)} or offer more candidates"
         )
-    selected, unit = _Search(items, budget, base).run()
     return BudgetSolution(
         tuple(sorted(selected)),
         _peak(items, selected, base),
         math.fsum(items[i].time for i in selected),
         budget,
-        unit,
+        search.unit,
     )
 
 
@@ -208,49 +242,35 @@ def _check_bytes(value: object, what: str) -> int:
     return int(value)  # type: ignore[arg-type]
 
 
-def _check_items(items: Sequence[CostItem]) -> None:
+def _check(items: Sequence[CostItem], base: object) -> int:
+    """Check the items and ``base``; return ``base`` as an int."""
+    base = _check_bytes(base, "base")
     for index, item in enumerate(items):
         if not isinstance(item, CostItem):
             raise CheckpointConfigError(
                 f"candidate {index} is a {type(item).__name__}; expected a CostItem"
             )
+        if item.before is not None and item.before > base:
+            raise CheckpointConfigError(
+                f"cost item {item.name!r}: before ({item.before} bytes) cannot exceed base "
+                f"({base} bytes), of which it is a part"
+            )
+    return base
 
 
-def _peak(items: Sequence[CostItem], selected: Iterable[int], base: int) -> int:
-    chosen = set(selected)
-    kept = sum(item.kept for i, item in enumerate(items) if i not in chosen)
-    inputs = sum(items[i].inputs for i in chosen)
-    return base + kept + inputs + max((items[i].kept for i in chosen), default=0)
+def _before(item: CostItem, base: int) -> int:
+    return base if item.before is None else item.before
 
 
-def _useful(items: Sequence[CostItem]) -> List[int]:
-    """Candidates that save memory (``kept > inputs``), by ascending ``kept``, then index.
-
-    Only these can be in an optimal plan: dropping one that saves nothing never raises
-    the peak (if it was the largest, the recomputed maximum can only shrink) nor the time.
-    """
-    return sorted(
-        (i for i, item in enumerate(items) if item.kept > item.inputs),
-        key=lambda i: (items[i].kept, i),
-    )
-
-
-def _lowest_peak(items: Sequence[CostItem], base: int) -> Tuple[int, List[int]]:
-    """The least peak and a selection reaching it.
-
-    If candidate m is the largest selected, every other useful candidate below it in the
-    ``_useful`` order only lowers the peak, so the best selection with that m takes them all.
-    """
-    best, best_set = base + sum(item.kept for item in items), []
-    total = best
-    saved = 0  # savings of the useful candidates before position p
-    order = _useful(items)
-    for p, m in enumerate(order):
-        peak = total + items[m].inputs - saved
-        if peak < best:
-            best, best_set = peak, order[: p + 1]
-        saved += items[m].kept - items[m].inputs
-    return best, best_set
+def _peak(items: Sequence[CostItem], chosen: Iterable[int], base: int) -> int:
+    chosen = set(chosen)
+    held = [item.inputs if i in chosen else item.kept for i, item in enumerate(items)]
+    ahead = itertools.accumulate(held, initial=0)  # what the candidates before i hold
+    peak = base + sum(held)
+    for i, (item, prefix) in enumerate(zip(items, ahead)):
+        if i in chosen:
+            peak = max(peak, _before(item, base) + prefix + item.inputs + item.rebuilt)
+    return peak
 
 
 def _exact_bytes(n: int) -> str:
@@ -269,146 +289,125 @@ def _describe(items: Sequence[CostItem], selected: Sequence[int]) -> str:
 
 
 class _Search:
-    """A covering knapsack over a discretised savings axis, one pass in ``_useful`` order.
+    """A dynamic program over the forward, on a discretised axis of held memory.
 
-    Checkpointing S saves ``kept - inputs`` per member and adds back the largest member's
-    ``kept``; with m that member, S fits iff the others' savings reach
-    ``excess + inputs[m]`` (``excess`` = un-checkpointed peak - budget). Every S has exactly
-    one m, and the others precede m in the order, so the least (time, peak, count) over
-    all S is the least over m of ``time[m]`` + the best subset of the items before m that
-    covers m's requirement: the knapsack state just before m is added.
+    Going through the candidates in forward order, the state is ``x``: the bytes that the
+    candidates so far hold until their backward (``kept``, or ``inputs`` if checkpointed).
+    A checkpointed candidate's recomputation peak depends only on ``x`` before it, and the
+    end-of-forward peak only on the final ``x``, so for each ``x`` it is enough to keep the
+    best partial selection: least time, then least peak so far, then fewest members (this
+    order is preserved by every later step, so the program is exact). Only candidates that
+    save memory (``kept > inputs``) are ever worth checkpointing.
 
-    Entry r of the state holds, among the subsets whose discretised savings reach r units,
-    the least (time, -savings, count); both tie-breaks are packed in one integer ``key``
-    (larger is better). This order is compatible with adding an item, so the recurrence
-    ``best(r) = min(best_without(r), item + best_without(r - item))`` is exact.
+    With ``budget`` None it finds the lowest peak instead: every time counts as zero, and
+    no recomputation is ruled out.
     """
 
-    def __init__(self, items: Sequence[CostItem], budget: int, base: int) -> None:
-        self.items, self.budget, self.base = items, budget, base
-        self.order = _useful(items)
-        self.excess = base + sum(item.kept for item in items) - budget
-        self.saves = [items[m].kept - items[m].inputs for m in self.order]
-        self.needs = [self.excess + items[m].inputs for m in self.order]
-
-    def run(self) -> Tuple[List[int], int]:
-        """The best selection found and the memory unit used.
-
-        The caller has checked that the budget is reachable and not already met, so
-        ``order`` is not empty and the lowest-peak selection fits.
-        """
-        # Savings are stored in units of their gcd and packed with the count in one int64.
-        self.grain = math.gcd(*self.saves)
-        unit, exact = self._unit()
-        self.unit = unit
-        self.sigma = [s // unit for s in self.saves]
-        self.length = length = min(max(-(-r // unit) for r in self.needs), sum(self.sigma)) + 1
-        self.radix = len(self.order) + 1
-        if (sum(self.saves) // self.grain + 1) * self.radix >= 1 << 62:
-            raise CheckpointConfigError(
-                f"the candidates' sizes (savings {format_bytes(sum(self.saves))} in steps of "
-                f"{self.grain} bytes) are too large for the budget solver"
-            )
-        self.cost = torch.full((length,), math.inf, dtype=torch.float64)
-        self.cost[0] = 0.0
-        self.key = torch.full((length,), self.radix - 1, dtype=torch.int64)
-        self.bits: List[torch.Tensor] = []
-        best: Optional[Tuple[float, int, int, int]] = None
-        best_at = (0, 0)
-        for p in range(len(self.order)):
-            found = self._query(p, exact)
-            if found is not None and (best is None or found[0] < best):
-                best, best_at = found[0], (p, found[1])
-            self._add(p)
-        selected = None if best is None else self._trace(*best_at)
-        if exact and selected is not None:
-            return selected, unit
-        return self._refine(selected), unit
+    def __init__(self, items: Sequence[CostItem], base: int, budget: Optional[int]) -> None:
+        self.items, self.base, self.budget = items, base, budget
+        self.useful = [item.kept > item.inputs for item in items]
+        self.unit, self.exact = self._unit()
 
     def _unit(self) -> Tuple[int, bool]:
-        """The gcd of the savings if its axis is short enough, else a coarser unit.
+        """The gcd of the sizes on the axis if it is short enough, else a coarser unit.
 
-        Requirements are rounded up to the unit and savings down. With the gcd that loses
-        nothing, since any sum of savings is a multiple of it; with a coarser unit it only
-        makes plans more conservative, never infeasible.
+        Sizes are rounded up to the unit, so with a coarse one the program sees more held
+        memory than there is: its plans fit, but may not be the cheapest.
         """
-        span = min(max(self.needs), sum(self.saves))
-        items = len(self.order)
-        unit = self.grain
-        if -(-span // unit) <= min(_EXACT_STEPS, max(1024, _MAX_CELLS // items)):
-            return unit, True
-        steps = min(_APPROX_STEPS, max(1024, _APPROX_CELLS // items))
-        unit = max(unit, -(-span // steps))
-        return unit, all(v % unit == 0 for v in self.saves)
+        sizes = [item.kept for item in self.items]
+        sizes += [item.inputs for item, useful in zip(self.items, self.useful) if useful]
+        span = sum(item.kept for item in self.items)
+        if self.budget is not None:
+            span = min(span, self.budget - self.base)
+        grain = math.gcd(*sizes) or 1
+        n = max(1, len(self.items))
+        if -(-span // grain) <= min(_EXACT_STEPS, max(1024, _MAX_CELLS // n)):
+            return grain, True
+        steps = min(_APPROX_STEPS, max(1024, _APPROX_CELLS // n))
+        unit = max(grain, -(-span // steps))
+        return unit, all(size % unit == 0 for size in sizes)
 
-    def _query(self, p: int, exact: bool) -> Optional[Tuple[Tuple[float, int, int, int], int]]:
-        """The best selection whose largest member is ``order[p]``: its sort key and the
-        state entry that holds the rest of it."""
-        need = self.needs[p]
-        if exact:
-            r = -(-need // self.unit)
-            if r >= self.length or math.isinf(self.cost[r].item()):
-                return None
-        else:
-            # Entries hold subsets whose exact savings may exceed their rounded ones, so any
-            # entry whose exact savings cover the need will do, not just those from r up.
-            threshold = -(-need // self.grain) * self.radix
-            cost = self.cost.masked_fill(self.key < threshold, math.inf)
-            low = cost.min()
-            if math.isinf(low.item()):
-                return None
-            r = int(torch.where(cost == low, self.key, -1).argmax().item())
-        key = int(self.key[r].item())
-        saved = (key // self.radix) * self.grain
-        count = self.radix - 1 - key % self.radix
-        time = self.cost[r].item() + self.items[self.order[p]].time
-        peak = self.budget + need - saved
-        return (time, peak, count + 1, p), r
-
-    def _add(self, p: int) -> None:
-        length, cost, key = self.length, self.cost, self.key
-        shift = min(self.sigma[p], length)
-        if shift:
-            cost2 = torch.cat((cost[:1].expand(shift), cost[: length - shift]))
-            key2 = torch.cat((key[:1].expand(shift), key[: length - shift]))
-        else:
-            cost2, key2 = cost, key
-        cost2 = cost2 + self.items[self.order[p]].time
-        key2 = key2 + ((self.saves[p] // self.grain) * self.radix - 1)
-        better = (cost2 < cost) | ((cost2 == cost) & (key2 > key))
-        self.cost = torch.where(better, cost2, cost)
-        self.key = torch.where(better, key2, key)
-        self.bits.append(better)
-
-    def _trace(self, p: int, r: int) -> List[int]:
-        selected = [self.order[p]]
-        for j in range(p - 1, -1, -1):
-            if self.bits[j][r]:
-                selected.append(self.order[j])
-                r = max(0, r - self.sigma[j])
-        return selected
-
-    def _refine(self, selected: Optional[List[int]]) -> List[int]:
-        """Recover what rounding lost: start from the better of the knapsack's plan and
-        the lowest-peak one, then drop the costliest members the exact slack allows."""
-        items, base = self.items, self.base
-        plans = [_lowest_peak(items, base)[1]] + ([selected] if selected is not None else [])
-        best = min(
-            plans,
-            key=lambda s: (math.fsum(items[i].time for i in s), _peak(items, s, base), len(s)),
-        )
-        if not best:
-            return best
-        slack = self.budget - _peak(items, best, base)
-        top = max(best, key=lambda i: (items[i].kept, i))
-        kept = [top]
-        # Dropping a member other than the largest raises the peak by exactly its saving.
-        for i in sorted(best, key=lambda i: (-items[i].time, i)):
-            if i == top:
+    def run(self) -> Optional[List[int]]:
+        """The best selection, or None if nothing fits the budget."""
+        items, unit, base, budget = self.items, self.unit, self.base, self.budget
+        if budget is not None and budget < base:
+            return None
+        # Entries beyond the budget can never fit again: held memory only grows.
+        total = sum(-(-item.kept // unit) for item in items)
+        length = total + 1 if budget is None else min(total, (budget - base) // unit) + 1
+        radix = len(items) + 1
+        ceiling = base + sum(max(item.kept, item.inputs) + item.rebuilt + unit for item in items)
+        if (ceiling + 1) * radix >= _NEVER:
+            raise CheckpointConfigError(
+                f"the candidates' sizes ({format_bytes(ceiling)} in all) are too large for "
+                f"the budget solver"
+            )
+        x = torch.arange(length, dtype=torch.int64) * unit
+        cost = torch.full((length,), math.inf, dtype=torch.float64)
+        cost[0] = 0.0
+        # key = peak so far * radix + members: smaller is better on equal time.
+        key = torch.full((length,), _NEVER, dtype=torch.int64)
+        key[0] = 0
+        bits: List[Optional[torch.Tensor]] = []
+        for item, useful in zip(items, self.useful):
+            keep = -(-item.kept // unit)
+            cost1, key1 = _shift(cost, keep, math.inf), _shift(key, keep, _NEVER)
+            if not useful:
+                cost, key = cost1, key1
+                bits.append(None)
                 continue
-            saving = items[i].kept - items[i].inputs
-            if items[i].time > 0 and saving <= slack:
-                slack -= saving
+            recompute = _before(item, base) + item.inputs + item.rebuilt + x
+            allowed = key < _NEVER
+            if budget is not None:
+                allowed &= recompute <= budget
+            time = 0.0 if budget is None else item.time
+            cost2 = torch.where(allowed, cost + time, math.inf)
+            peak = torch.maximum(key // radix, recompute)
+            key2 = torch.where(allowed, peak * radix + key % radix + 1, _NEVER)
+            hold = -(-item.inputs // unit)
+            cost2, key2 = _shift(cost2, hold, math.inf), _shift(key2, hold, _NEVER)
+            better = (cost2 < cost1) | ((cost2 == cost1) & (key2 < key1))
+            cost = torch.where(better, cost2, cost1)
+            key = torch.where(better, key2, key1)
+            bits.append(better)
+        # At the end of the forward, everything held is alive at once.
+        final = torch.maximum(key // radix, base + x) * radix + key % radix
+        reachable = key < _NEVER
+        if not bool(reachable.any()):
+            return None
+        low = cost.masked_fill(~reachable, math.inf).min()
+        end = int(final.masked_fill(~reachable | (cost != low), _NEVER).argmin().item())
+        return self._trace(bits, end)
+
+    def _trace(self, bits: Sequence[Optional[torch.Tensor]], end: int) -> List[int]:
+        selected, position = [], end
+        for index in range(len(self.items) - 1, -1, -1):
+            item = self.items[index]
+            if bits[index] is not None and bool(bits[index][position]):
+                selected.append(index)
+                position -= -(-item.inputs // self.unit)
             else:
-                kept.append(i)
-        return kept
+                position -= -(-item.kept // self.unit)
+        return self.refine(sorted(selected))
+
+    def refine(self, selected: List[int]) -> List[int]:
+        """On a coarse axis, drop the costliest members the exact peak does not need."""
+        if self.exact or not selected:
+            return selected
+        items, base = self.items, self.base
+        limit = self.budget if self.budget is not None else _peak(items, selected, base)
+        chosen: Set[int] = set(selected)
+        for i in sorted(selected, key=lambda i: (-items[i].time, -items[i].kept, i)):
+            chosen.discard(i)
+            if _peak(items, chosen, base) > limit:
+                chosen.add(i)
+        return sorted(chosen)
+
+
+def _shift(values: torch.Tensor, by: int, fill: float) -> torch.Tensor:
+    """``values`` moved ``by`` places up the axis, ``fill`` below; what falls off is lost."""
+    if by == 0:
+        return values
+    if by >= len(values):
+        return torch.full_like(values, fill)
+    return torch.cat((values.new_full((by,), fill), values[: len(values) - by]))

@@ -6,7 +6,7 @@ runs the model.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -17,7 +17,7 @@ from ..policy import Budget
 from ..policy._solver import CostItem, predicted_peak, solve_budget
 from ._plan import PlanEntry
 
-__all__ = ["MeasuredChoice", "measure_and_choose", "as_example", "cost_item"]
+__all__ = ["MeasuredChoice", "measure_and_choose", "as_example", "cost_item", "forward_items"]
 
 
 class MeasuredChoice:
@@ -43,10 +43,36 @@ def cost_item(cost: Any) -> CostItem:
 
     A checkpoint keeps the module's inputs; the part of them the module saves itself is
     already counted in the profile's base bytes (it stays alive either way), so only the
-    rest is extra.
+    rest is extra. Likewise its saved outputs that the code after it saves too are in the
+    base, not freed by the checkpoint, yet rebuilt by its recomputation, which at its
+    highest also holds the forward's temporaries. Measured with a save policy (the selective tier), the checkpoint also
+    keeps the outputs the policy saves, and its recomputation rebuilds, and costs, only
+    the rest.
     """
     extra_inputs = max(0, int(cost.input_bytes) - int(cost.self_saved_input_bytes))
-    return CostItem(cost.name, int(cost.kept_bytes), extra_inputs, float(cost.forward_time))
+    time = cost.forward_time if cost.recompute_time is None else cost.recompute_time
+    return CostItem(
+        cost.name,
+        int(cost.kept_bytes) - int(cost.handed_over_bytes),
+        extra_inputs + int(cost.policy_saved_bytes),
+        float(time),
+        rebuilt=max(
+            int(cost.kept_bytes) - int(cost.policy_saved_kept_bytes),
+            int(cost.forward_peak_bytes) - int(cost.policy_saved_bytes),
+            0,
+        ),
+        before=cost.base_before_bytes,
+    )
+
+
+def forward_items(profile: ModelProfile, names: Sequence[str]) -> List[Tuple[str, CostItem]]:
+    """The solver's items for ``names``, in the order the profiled forward called them.
+
+    Candidates never called outside another candidate's call come last, in the given order.
+    """
+    costs = [profile[name] for name in names]
+    order = sorted(range(len(costs)), key=lambda i: (costs[i].position < 0, costs[i].position, i))
+    return [(names[i], cost_item(costs[i])) for i in order]
 
 
 def as_example(example_inputs: Any, example_kwargs: Optional[Mapping[str, Any]]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
@@ -72,39 +98,42 @@ def measure_and_choose(
     budget: Optional[Budget],
     args: Tuple[Any, ...],
     kwargs: Dict[str, Any],
+    *,
+    save_policy: Optional[Callable[..., Any]] = None,
 ) -> MeasuredChoice:
     """Profile ``candidates`` on the example inputs and choose among them.
 
     With a budget, the cheapest set in recompute time whose predicted peak fits it;
-    without, all candidates, with their predictions.
+    without, all candidates, with their predictions. ``save_policy`` is the selective
+    tier's policy, if the candidates are to be checkpointed selectively.
     """
     names = [entry.name for entry in candidates]
     with torch.random.fork_rng(devices=[]):
-        profile = profile_modules(model, names, args, kwargs)
-    items = [cost_item(profile[name]) for name in names]
+        profile = profile_modules(model, names, args, kwargs, save_policy=save_policy)
+    ordered = forward_items(profile, names)
+    items = [item for _, item in ordered]
     dropped: List[Tuple[str, str]] = []
     budget_bytes = None
     if budget is not None:
         budget_bytes = budget.resolve(profile.total_activation_bytes)
         solution = solve_budget(items, budget_bytes, base=profile.base_bytes)
-        chosen = list(solution.selected)
+        picked = {ordered[i][0] for i in solution.selected}
         peak = solution.predicted_peak
-        picked = set(chosen)
         dropped = [
-            (names[i], f"not needed to fit {budget.describe()}")
-            for i in range(len(names))
-            if i not in picked
+            (name, f"not needed to fit {budget.describe()}") for name in names if name not in picked
         ]
     else:
-        chosen = list(range(len(items)))
-        peak = predicted_peak(items, chosen, base=profile.base_bytes)
+        picked = set(names)
+        peak = predicted_peak(items, range(len(items)), base=profile.base_bytes)
+    by_name = dict(ordered)
     entries = [
         PlanEntry(
-            candidates[i].name,
-            candidates[i].kind,
-            saved_bytes=items[i].kept - items[i].inputs,
-            recompute_time=items[i].time,
+            entry.name,
+            entry.kind,
+            saved_bytes=by_name[entry.name].kept - by_name[entry.name].inputs,
+            recompute_time=by_name[entry.name].time,
         )
-        for i in chosen
+        for entry in candidates
+        if entry.name in picked
     ]
     return MeasuredChoice(entries, dropped, budget_bytes, profile, peak)

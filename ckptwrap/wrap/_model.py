@@ -130,7 +130,11 @@ def plan(
             f"wrap_model without them measures on the first training forward instead."
         )
     args, kwargs = as_example(example_inputs, example_kwargs)
-    choice = measure_and_choose(model, unmeasured.selected, budget, args, kwargs)
+    context_fn = unmeasured.options.context_fn
+    save_policy = context_fn.args[0] if isinstance(context_fn, SelectiveContexts) else None
+    choice = measure_and_choose(
+        model, unmeasured.selected, budget, args, kwargs, save_policy=save_policy
+    )
     return dataclasses.replace(
         unmeasured,
         selected=tuple(choice.entries),

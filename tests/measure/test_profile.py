@@ -514,3 +514,103 @@ def test_inputs_a_module_saves_itself_are_reported_apart():
     expected = 3 * 4 * x.element_size()
     assert profile["1"].input_bytes == profile["1"].self_saved_input_bytes == expected
     assert profile["2"].input_bytes == expected and profile["2"].self_saved_input_bytes == 0
+
+
+# --- what the order-aware peak model needs ------------------------------------------------------
+
+
+class _ReluBlock(nn.Module):
+    """Linear then ReLU: the ReLU saves its output, which the next block's Linear saves too."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.linear(x))
+
+
+def test_outputs_saved_again_after_the_module_are_handed_over_to_the_base():
+    torch.manual_seed(0)
+    model = nn.Sequential(_ReluBlock(8), _ReluBlock(8), _ReluBlock(8), nn.Linear(8, 1))
+    x = torch.randn(5, 8)
+    names = ["0", "1", "2"]
+    profile = profile_modules(model, names, (x,), repeats=0)
+    # Each block's ReLU output is saved by the Linear after it, block or head alike, so a
+    # checkpoint of the block would not free it.
+    output_bytes = [profile[name].output_bytes for name in names]
+    assert [profile[name].handed_over_bytes for name in names] == output_bytes
+    # A block saves its Linear's input (counted in the base) and its ReLU output: with the
+    # latter handed over, checkpointing a block frees nothing.
+    assert all(profile[name].kept_bytes == profile[name].handed_over_bytes for name in names)
+    # Without a head that saves it, the last block's output is freed by its checkpoint.
+    head_free = nn.Sequential(*list(model)[:3])
+    alone = profile_modules(head_free, names, (x,), repeats=0)
+    assert alone["2"].handed_over_bytes == 0 and alone["2"].kept_bytes == output_bytes[2]
+    for profiled in (profile, alone):
+        kept = sum(c.kept_bytes - c.handed_over_bytes for c in profiled.modules)
+        assert profiled.total_activation_bytes == profiled.base_bytes + kept
+    assert profile.total_activation_bytes == _full_forward_bytes(model, (x,))
+
+
+def test_base_before_and_position_follow_the_forward_not_the_registration():
+    class Reversed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.late = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+            self.early = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            # sin saves its input: base bytes before ``early``, between and after.
+            return self.late(self.early(x.sin()).sin()).sin()
+
+    model = Reversed()
+    x = torch.randn(4, 8, requires_grad=True)
+    profile = profile_modules(model, ["late", "early"], (x,), repeats=0)
+    early, late = profile["early"], profile["late"]
+    assert (early.position, late.position) == (0, 1)
+    # Before ``early`` nothing is saved (sin's input is the model input); before ``late``,
+    # ``early``'s output as saved by the sin between them, and ``late``'s own saved input.
+    assert early.base_before_bytes == early.self_saved_input_bytes
+    assert late.base_before_bytes > early.base_before_bytes
+    assert late.base_before_bytes < profile.base_bytes  # the last sin comes after both
+    never = profile_modules(model, ["late", "early"], (x,), repeats=0)
+    assert never == profile  # deterministic
+
+
+def test_forward_peak_counts_temporaries_beside_saved_tensors():
+    class Temporary(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            big = x.repeat(1, 16)  # a temporary no one saves
+            return (big.sum(dim=1, keepdim=True) * x).sin()
+
+    x = torch.randn(32, 64)
+    model = nn.Sequential(nn.Linear(64, 64), Temporary())
+    profile = profile_modules(model, ["1"], (x,), repeats=0)
+    cost = profile["1"]
+    assert cost.forward_peak_bytes >= cost.kept_bytes + 16 * x.numel() * x.element_size()
+
+
+def test_a_save_policy_is_measured_as_a_selective_checkpoint_would_run():
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    def save_matmuls(ctx, op, *args, **kwargs):
+        if op.overloadpacket in (torch.ops.aten.addmm, torch.ops.aten.mm):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))
+    model = nn.Sequential(nn.Linear(16, 16), block)
+    x = torch.randn(8, 16)
+    plain = profile_modules(model, ["1"], (x,), repeats=1)
+    selective = profile_modules(model, ["1"], (x,), repeats=1, save_policy=save_matmuls)
+    cost = selective["1"]
+    element = x.element_size()
+    # The two addmm outputs (8x64 and 8x16); GELU saves the first, so only it is in both.
+    assert cost.policy_saved_bytes == (8 * 64 + 8 * 16) * element
+    assert cost.policy_saved_kept_bytes == 8 * 64 * element
+    assert cost.recompute_time is not None and plain["1"].recompute_time is None
+    assert plain["1"].policy_saved_bytes == 0
+    with pytest.raises(CheckpointConfigError, match="save_policy must be a callable.*str"):
+        profile_modules(model, ["1"], (x,), save_policy="mm")
