@@ -59,6 +59,10 @@ class ModuleCost:
     """The part of ``kept_bytes`` (its own saved outputs) that the forward after it saves
     as well, the next block's first layer for one: counted in the profile's base bytes,
     since a checkpoint of this module does not free it."""
+    joins_previous: bool = False
+    """Whether its only input was the output of the candidate called just before it, and
+    nothing after it saves that input again: the two can run as one checkpointed segment,
+    which frees the input (``self_saved_input_bytes``). Both must be called once."""
     base_before_bytes: Optional[int] = None
     """The part of the profile's base bytes saved before its (last) call began, its own
     saved inputs included: what of the base is still alive when backward reaches it. None
@@ -287,6 +291,7 @@ def _cost(record: Record, replayed: bool) -> ModuleCost:
         calls=record.calls,
         forward_peak_bytes=record.forward_peak,
         handed_over_bytes=record.handed_over,
+        joins_previous=record.joins_previous,
         base_before_bytes=record.base_before,
         position=record.position,
         policy_saved_bytes=record.policy_saved,

@@ -71,10 +71,17 @@ class _Tally:
         self._seen: Dict[int, Tuple[StorageWeakRef, int]] = {}
         # Storages another tally counted first, and what to tell it if this one takes them.
         self.claims: Dict[int, Callable[[int], None]] = {}
+        # Storages to report when they are met again after being counted.
+        self.watched: Dict[int, Callable[[], None]] = {}
 
     def add(self, storage: torch.UntypedStorage, *, count: bool = True) -> None:
         key = storage._cdata
-        if key in self._excluded or key in self._seen:
+        if key in self._seen:
+            seen_again = self.watched.get(key)
+            if seen_again is not None:
+                seen_again()
+            return
+        if key in self._excluded:
             return
         if key in self._inputs:
             self.input_hits.add(key)
@@ -150,6 +157,10 @@ class Record:
     handed_over: int = 0  # kept bytes of its outputs that what follows saves as well
     policy_saved: int = 0  # bytes of the outputs the save policy keeps
     policy_saved_kept: int = 0  # the part of those its plain forward saves as well
+    # Whether its one outermost call took the previous outermost candidate call's output
+    # as its only input, saved by it and by nothing after it.
+    joins_previous: bool = False
+    joined: Optional["Record"] = None  # the record of that previous call
     base_before: Optional[int] = None  # base bytes when its last outermost call began
     position: int = -1  # order of its last outermost call among all outermost calls
     depth: int = 0  # > 1 while the module is inside a call of itself
@@ -186,6 +197,8 @@ class Session:
         self._model = model
         self._policy = save_policy
         self._calls = 0  # outermost candidate calls so far in the memory pass
+        # The last outermost candidate call's output, as the model's forward received it.
+        self._last_output: Optional[Tuple[Record, torch.Tensor]] = None
         self._args = args
         self._kwargs = kwargs
         self._repeats = repeats
@@ -245,6 +258,13 @@ class Session:
         return handles
 
     def _end_pass(self) -> None:
+        self._last_output = None
+        for record in self.records:
+            # A chain needs both ends called once; a later call may have shown otherwise.
+            joined = record.joined
+            record.joins_previous = (
+                record.joins_previous and record.calls == 1 and joined is not None and joined.calls == 1
+            )
         self._bar.update(len(self._records) - len(self._seen_in_pass))
         self._seen_in_pass = set()
 
@@ -326,6 +346,7 @@ class Session:
             hits = tally.input_hits
             saved = [t for t, copy in zip(inputs, run_inputs) if _keys([copy]) & hits]
             record.self_saved_inputs += _Tally(self._state_keys).add_tensors(saved).bytes
+            self._note_join(record, args, kwargs, saved)
             self._base.add_tensors(saved)
             # Backward reaches this call once everything saved after it is freed.
             record.base_before, record.position = self._base.bytes, self._calls
@@ -340,7 +361,11 @@ class Session:
         if frame.nested:
             return None
         torch.set_grad_enabled(frame.grad)
-        return self._stand_in(output, frame, self._records[id(module)])
+        record = self._records[id(module)]
+        output = self._stand_in(output, frame, record)
+        if isinstance(output, torch.Tensor):
+            self._last_output = (record, output)
+        return output
 
     def _stand_in(self, output: Any, frame: _Frame, record: Record) -> Any:
         """Outputs that need grad like those of a forward with autograd on, so that what
@@ -361,6 +386,29 @@ class Session:
             if needs_grad and not leaf.requires_grad and _differentiable(leaf):
                 leaves[position] = leaf.detach().requires_grad_()
         return tree_unflatten(leaves, spec)
+
+    def _note_join(self, record: Record, args: Any, kwargs: Any, saved: List[torch.Tensor]) -> None:
+        """Whether this call continues a chain: its only input is the output the previous
+        candidate call handed to the model's forward. If anything after it saves that input
+        as well, a segment through both would not free it: the chain is then broken."""
+        previous, self._last_output = self._last_output, None
+        record.joins_previous = bool(
+            previous is not None
+            and record.calls == 1
+            and previous[0].calls == 1
+            and not kwargs
+            and len(args) == 1
+            and args[0] is previous[1]
+        )
+        if not record.joins_previous:
+            return
+        record.joined = previous[0]  # type: ignore[index]
+
+        def seen_again() -> None:
+            record.joins_previous = False
+
+        for storage in (s for tensor in saved for s in _tensor_storages(tensor)):
+            self._base.watched[storage._cdata] = seen_again
 
     def _hand_over(self, output: torch.Tensor, record: Record) -> None:
         """An output the module saves is in its kept bytes. If what follows saves it too

@@ -38,14 +38,16 @@ class MeasuredChoice:
         self.predicted_peak = peak
 
 
-def cost_item(cost: Any) -> CostItem:
+def cost_item(cost: Any, *, segments: bool = False) -> CostItem:
     """The solver's view of one measured module.
 
     A checkpoint keeps the module's inputs; the part of them the module saves itself is
     already counted in the profile's base bytes (it stays alive either way), so only the
     rest is extra. Likewise its saved outputs that the code after it saves too are in the
     base, not freed by the checkpoint, yet rebuilt by its recomputation, which at its
-    highest also holds the forward's temporaries. Measured with a save policy (the selective tier), the checkpoint also
+    highest also holds the forward's temporaries. With ``segments``, a module that takes
+    the previous candidate's output as its only input may run in one region with it.
+    Measured with a save policy (the selective tier), the checkpoint also
     keeps the outputs the policy saves, and its recomputation rebuilds, and costs, only
     the rest.
     """
@@ -62,17 +64,32 @@ def cost_item(cost: Any) -> CostItem:
             0,
         ),
         before=cost.base_before_bytes,
+        joins=int(cost.self_saved_input_bytes) if segments and cost.joins_previous else None,
     )
 
 
-def forward_items(profile: ModelProfile, names: Sequence[str]) -> List[Tuple[str, CostItem]]:
+def _saving(item: CostItem, joined: bool) -> int:
+    """What checkpointing the candidate saves: in a segment after its first module, all it
+    keeps and its input; otherwise what it keeps beyond what its region keeps."""
+    return item.kept + (item.joins or 0) if joined else item.kept - item.inputs
+
+
+def forward_items(
+    profile: ModelProfile, names: Sequence[str], *, segments: bool = False
+) -> List[Tuple[str, CostItem]]:
     """The solver's items for ``names``, in the order the profiled forward called them.
 
     Candidates never called outside another candidate's call come last, in the given order.
+    With ``segments``, a candidate may join the one before it only if that one is among
+    ``names`` and just before it in this order.
     """
     costs = [profile[name] for name in names]
     order = sorted(range(len(costs)), key=lambda i: (costs[i].position < 0, costs[i].position, i))
-    return [(names[i], cost_item(costs[i])) for i in order]
+    items = []
+    for rank, i in enumerate(order):
+        follows = rank > 0 and costs[order[rank - 1]].position == costs[i].position - 1
+        items.append((names[i], cost_item(costs[i], segments=segments and follows)))
+    return items
 
 
 def as_example(example_inputs: Any, example_kwargs: Optional[Mapping[str, Any]]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
@@ -100,24 +117,29 @@ def measure_and_choose(
     kwargs: Dict[str, Any],
     *,
     save_policy: Optional[Callable[..., Any]] = None,
+    segments: bool = False,
 ) -> MeasuredChoice:
     """Profile ``candidates`` on the example inputs and choose among them.
 
-    With a budget, the cheapest set in recompute time whose predicted peak fits it;
-    without, all candidates, with their predictions. ``save_policy`` is the selective
-    tier's policy, if the candidates are to be checkpointed selectively.
+    With a budget, the cheapest set in recompute time whose predicted peak fits it, where
+    with ``segments`` consecutive candidates may share one region; without a budget, all
+    candidates, each in its own region, with their predictions. ``save_policy`` is the
+    selective tier's policy, if the candidates are to be checkpointed selectively.
     """
     names = [entry.name for entry in candidates]
     with torch.random.fork_rng(devices=[]):
         profile = profile_modules(model, names, args, kwargs, save_policy=save_policy)
-    ordered = forward_items(profile, names)
+    ordered = forward_items(profile, names, segments=segments and budget is not None)
     items = [item for _, item in ordered]
     dropped: List[Tuple[str, str]] = []
     budget_bytes = None
+    joins: Dict[str, str] = {}
     if budget is not None:
         budget_bytes = budget.resolve(profile.total_activation_bytes)
         solution = solve_budget(items, budget_bytes, base=profile.base_bytes)
         picked = {ordered[i][0] for i in solution.selected}
+        for segment in solution.segments:
+            joins.update((ordered[i][0], ordered[i - 1][0]) for i in segment[1:])
         peak = solution.predicted_peak
         dropped = [
             (name, f"not needed to fit {budget.describe()}") for name in names if name not in picked
@@ -130,8 +152,9 @@ def measure_and_choose(
         PlanEntry(
             entry.name,
             entry.kind,
-            saved_bytes=by_name[entry.name].kept - by_name[entry.name].inputs,
+            saved_bytes=_saving(by_name[entry.name], entry.name in joins),
             recompute_time=by_name[entry.name].time,
+            joins=joins.get(entry.name),
         )
         for entry in candidates
         if entry.name in picked

@@ -16,6 +16,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.nn.modules.module import _global_forward_pre_hooks
 
 from .._errors import CheckpointConfigError
 from ..policy import Budget, Offload, Selective, as_policy, split_modifiers
@@ -24,7 +25,7 @@ from ._selective import SelectiveContexts
 from ._decorator import decorator_options
 from ._options import CheckpointOptions, options_from
 from ._plan import Plan, PlanEntry
-from ._region import run_offloaded, run_region
+from ._region import RngSnapshot, region_switched_off, run_offloaded, run_region, run_segment
 from ._wrapper import CheckpointWrapper
 
 __all__ = ["wrap_model", "unwrap_model", "plan", "PLAN_ATTRIBUTE"]
@@ -39,7 +40,7 @@ class _CheckpointedForward:
     copying rebuild it around the copied module.
     """
 
-    __slots__ = ("_module", "options", "previous", "offload", "__weakref__")
+    __slots__ = ("_module", "options", "previous", "offload", "chain", "__weakref__")
 
     def __init__(
         self,
@@ -47,25 +48,59 @@ class _CheckpointedForward:
         options: CheckpointOptions,
         previous: Optional[Callable[..., Any]],
         offload: bool = False,
+        chain: Tuple["_SegmentMember", ...] = (),
     ) -> None:
         self._module = weakref.ref(module)
         self.options = options
         self.previous = previous  # an instance-level forward someone else had set, if any
         self.offload = offload
+        self.chain = chain  # the modules that run in this module's region after it
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def module(self) -> nn.Module:
         module = self._module()
         if module is None:
             raise CheckpointConfigError(
                 "This forward belongs to a module that no longer exists; call the module itself."
             )
-        call = self.previous if self.previous is not None else functools.partial(type(module).forward, module)
+        return module
+
+    def call(self) -> Callable[..., Any]:
+        """The module's own forward, without the checkpoint."""
+        if self.previous is not None:
+            return self.previous
+        module = self.module()
+        return functools.partial(type(module).forward, module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module, call = self.module(), self.call()
         if self.offload:
             return run_offloaded(module, call, args, kwargs)
+        if self.chain and _segment_runs(args, kwargs) and not self._members_hooked():
+            return self._run_segment(module, call, args[0])
         return run_region(module, call, args, kwargs, self.options)
 
+    def _members_hooked(self) -> bool:
+        """Whether something watches the later modules' calls before they run (FSDP2
+        gathers their parameters there): inside a segment they would run before it."""
+        return bool(_global_forward_pre_hooks) or any(
+            member.module()._forward_pre_hooks for member in self.chain
+        )
+
+    def _run_segment(self, module: nn.Module, call: Callable[..., Any], value: torch.Tensor) -> Any:
+        """Run this module and the chain after it as one region; hand each later module the
+        output it is to return when the model's forward calls it on the one before's."""
+        members = [member.module() for member in self.chain]
+        calls = [call, *(member.call() for member in self.chain)]
+        outputs, states = run_segment([module, *members], calls, value, self.options)
+        for index, member in enumerate(self.chain):
+            member.expect(outputs[index], outputs[index + 1], states[index], states[index + 1])
+        return outputs[0]
+
     def __reduce__(self) -> Tuple[Any, ...]:
-        return (_CheckpointedForward, (self._module(), self.options, self.previous, self.offload))
+        return (
+            _CheckpointedForward,
+            (self._module(), self.options, self.previous, self.offload, self.chain),
+        )
 
     def __repr__(self) -> str:
         module = self._module()
@@ -73,10 +108,98 @@ class _CheckpointedForward:
         return f"<checkpointed forward of {kind}>"
 
 
+class _SegmentMember:
+    """The ``forward`` of a module that runs inside the region of a module before it.
+
+    Called by the model's forward on the output it expects (the one before's), it returns
+    the output the segment computed. Called on anything else, or when the segment did not
+    run as one (autograd or ckptwrap off, under ``torch.compile``, other arguments), it
+    runs as a region of its own.
+    """
+
+    __slots__ = ("_module", "options", "previous", "_expected", "__weakref__")
+    # The segment ran this module ahead of the model's forward: it returns the output only
+    # if that forward calls it on the output before it, with the random generators where
+    # the segment left them then, and moves them on as the module did.
+
+    def __init__(
+        self, module: nn.Module, options: CheckpointOptions, previous: Optional[Callable[..., Any]]
+    ) -> None:
+        self._module = weakref.ref(module)
+        self.options = options
+        self.previous = previous
+        self._expected: Optional[Tuple[Any, Any, RngSnapshot, RngSnapshot]] = None
+
+    module = _CheckpointedForward.module
+    call = _CheckpointedForward.call
+
+    def expect(self, given: Any, output: Any, before: RngSnapshot, after: RngSnapshot) -> None:
+        """The segment's output for this module, when it is called on ``given`` with the
+        generators in state ``before``; ``after`` is where the module left them."""
+        self._expected = (given, output, before, after)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        expected, self._expected = self._expected, None
+        if (
+            expected is not None
+            and not kwargs
+            and len(args) == 1
+            and args[0] is expected[0]
+            and expected[2].is_current()
+        ):
+            expected[3].restore()
+            return expected[1]
+        if expected is not None:
+            _warn_broken_segment(self.module())
+        return run_region(self.module(), self.call(), args, kwargs, self.options)
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        # Built empty, then filled: the module's own dict refers back to this object, and
+        # copying must meet the same copy there (the head's chain holds it too).
+        return (_SegmentMember.__new__, (_SegmentMember,), (self._module(), self.options, self.previous))
+
+    def __setstate__(self, state: Tuple[Any, ...]) -> None:
+        module, options, previous = state
+        self.__init__(module, options, previous)  # type: ignore[misc]
+
+    def __repr__(self) -> str:
+        module = self._module()
+        kind = type(module).__name__ if module is not None else "<dead module>"
+        return f"<forward of {kind}, checkpointed in a segment>"
+
+
+def _segment_runs(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> bool:
+    """Whether a segment can run as one region now: on one tensor, eagerly, with regions on."""
+    return (
+        len(args) == 1
+        and not kwargs
+        and isinstance(args[0], torch.Tensor)
+        and not torch.compiler.is_compiling()
+        and not region_switched_off()
+    )
+
+
+_warned_segments: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def _warn_broken_segment(module: nn.Module) -> None:
+    if module in _warned_segments:
+        return
+    _warned_segments.add(module)
+    warnings.warn(
+        f"{type(module).__name__} was planned to run in one checkpointed segment with the "
+        f"module before it, but the model's forward did not call it on that module's output "
+        f"alone (or drew random numbers in between); it now runs as a region of its own, and "
+        f"the segment's work for it was wasted. Plan again on inputs that take this path "
+        f"(wrap_model(..., example_inputs=...)).",
+        stacklevel=3,
+    )
+
+
 def _marking(module: nn.Module) -> Optional[Tuple[str, CheckpointOptions]]:
     """How ``module`` is already checkpointed, if it is: (what marks it, its options)."""
     forward = module.__dict__.get("forward")
-    if isinstance(forward, _CheckpointedForward):
+    if isinstance(forward, (_CheckpointedForward, _SegmentMember)):
         return "wrap_model", forward.options
     if isinstance(module, CheckpointWrapper):
         return "CheckpointWrapper", module.checkpoint_options
@@ -133,7 +256,10 @@ def plan(
     context_fn = unmeasured.options.context_fn
     save_policy = context_fn.args[0] if isinstance(context_fn, SelectiveContexts) else None
     choice = measure_and_choose(
-        model, unmeasured.selected, budget, args, kwargs, save_policy=save_policy
+        model, unmeasured.selected, budget, args, kwargs,
+        save_policy=save_policy,
+        # Segments run on the non-re-entrant engine only.
+        segments=unmeasured.tier == "recompute" and not unmeasured.options.use_reentrant,
     )
     return dataclasses.replace(
         unmeasured,
@@ -300,10 +426,24 @@ def wrap_model(
 def _apply(model: nn.Module, applied: Plan) -> None:
     modules = dict(model.named_modules())
     offload = applied.tier == "offload"
+    members: Dict[str, _SegmentMember] = {}
+    for entry in applied.selected:
+        if entry.joins is not None:
+            module = modules[entry.name]
+            members[entry.name] = _SegmentMember(module, applied.options, module.__dict__.get("forward"))
+    follower = {entry.joins: entry.name for entry in applied.selected if entry.joins is not None}
     for entry in applied.selected:
         module = modules[entry.name]
+        if entry.name in members:
+            module.forward = members[entry.name]
+            continue
+        chain: List[_SegmentMember] = []
+        name = follower.get(entry.name)
+        while name is not None:
+            chain.append(members[name])
+            name = follower.get(name)
         module.forward = _CheckpointedForward(
-            module, applied.options, module.__dict__.get("forward"), offload
+            module, applied.options, module.__dict__.get("forward"), offload, tuple(chain)
         )
     setattr(model, PLAN_ATTRIBUTE, applied)
 
@@ -363,7 +503,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
         raise CheckpointConfigError(f"expected an nn.Module to unwrap, got {type(model).__name__}.")
     for module in model.modules():
         forward = module.__dict__.get("forward")
-        if isinstance(forward, _CheckpointedForward):
+        if isinstance(forward, (_CheckpointedForward, _SegmentMember)):
             if forward.previous is not None:
                 module.forward = forward.previous
             else:

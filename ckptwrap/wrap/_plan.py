@@ -24,6 +24,9 @@ class PlanEntry:
     """Predicted activation memory saved: what its forward keeps minus its inputs (measured)."""
     recompute_time: Optional[float] = None
     """Predicted extra time per step, seconds: its measured forward time."""
+    joins: Optional[str] = None
+    """The selected module just before it whose checkpointed region it runs in, as one
+    segment that keeps only the segment's first input; None when it has its own region."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,13 +125,15 @@ class Plan:
         measured = self.selected and all(e.saved_bytes is not None for e in self.selected)
         if measured:
             rows = [
-                (e.name, e.kind, f"{e.saved_bytes / _MIB:.2f}", f"{e.recompute_time * 1e3:.2f}")
+                (_shown(e), e.kind, f"{e.saved_bytes / _MIB:.2f}", f"{e.recompute_time * 1e3:.2f}")
                 for e in self.selected
             ]
             rows.append(("total", "", f"{self.saved_bytes / _MIB:.2f}", f"{self.recompute_time * 1e3:.2f}"))
             lines += _table(("module", "class", "saves MiB", "recompute ms"), rows)
         else:
-            lines += _table(("module", "class"), [(e.name, e.kind) for e in self.selected])
+            lines += _table(("module", "class"), [(_shown(e), e.kind) for e in self.selected])
+        if any(e.joins for e in self.selected):
+            lines.append("(+ runs in one region with the module above it: a segment)")
         if self.activation_bytes is not None and self.predicted_peak is not None:
             summary = (
                 f"activation memory: {self.activation_bytes / _MIB:.2f} MiB without checkpointing, "
@@ -142,6 +147,10 @@ class Plan:
             lines.append("left out:")
             lines += _table(("module", "reason"), list(self.dropped))
         return "\n".join(lines)
+
+
+def _shown(entry: PlanEntry) -> str:
+    return f"+ {entry.name}" if entry.joins else entry.name
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> List[str]:

@@ -9,7 +9,7 @@ as the un-checkpointed step does.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterator, List, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch.nn.modules.batchnorm import _NormBase
@@ -21,7 +21,7 @@ from ._distributed import check_reentrant_region
 from ._options import CheckpointOptions
 from ._switch import is_disabled
 
-__all__ = ["run_region"]
+__all__ = ["RngSnapshot", "run_region", "run_segment", "region_switched_off"]
 
 _STAT_NAMES = ("running_mean", "running_var", "num_batches_tracked")
 
@@ -56,6 +56,76 @@ def run_region(
         # arguments as one dict keeps their tensors in autograd (it flattens containers).
         return checkpoint(_KeywordsFirst(call), kwargs, *args, **options.as_kwargs())
     return checkpoint(call, *args, **options.as_kwargs(), **kwargs)
+
+
+def run_segment(
+    owners: Sequence[torch.nn.Module],
+    calls: Sequence[Callable[[Any], Any]],
+    value: torch.Tensor,
+    options: CheckpointOptions,
+) -> Tuple[Tuple[Any, ...], List["RngSnapshot"]]:
+    """Run ``calls`` one after another from ``value`` as one checkpointed region (a
+    segment, as ``checkpoint_sequential`` makes).
+
+    Only the first input is kept for backward; every output between is rebuilt when
+    backward reaches the segment. The caller checks that regions are on
+    (:func:`region_switched_off`) and that the engine is the non-re-entrant one.
+
+    Returns:
+        Every call's output, and the random number generators' state after each call.
+        The generators are left as they were after the first call: the model's forward
+        has not reached the others yet.
+    """
+    states: List[RngSnapshot] = []
+
+    def segment(value: Any) -> Tuple[Any, ...]:
+        outputs = []
+        for call in calls:
+            value = call(value)
+            outputs.append(value)
+            if not is_recomputing():
+                states.append(RngSnapshot.take(value))
+        return tuple(outputs)
+
+    outputs = checkpoint(_KeepStats(tuple(owners), segment), value, **options.as_kwargs())
+    states[0].restore()
+    return outputs, states
+
+
+class RngSnapshot:
+    """The CPU generator's state and, for an accelerator tensor, its device's."""
+
+    __slots__ = ("cpu", "device", "state")
+
+    def __init__(self, cpu: torch.Tensor, device: Optional[torch.device], state: Optional[torch.Tensor]) -> None:
+        self.cpu, self.device, self.state = cpu, device, state
+
+    @classmethod
+    def take(cls, value: Any) -> "RngSnapshot":
+        device = value.device if isinstance(value, torch.Tensor) else None
+        if device is None or device.type in ("cpu", "meta"):
+            return cls(torch.get_rng_state(), None, None)
+        module = torch.get_device_module(device.type)
+        return cls(torch.get_rng_state(), device, module.get_rng_state(device))
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.device is not None:
+            torch.get_device_module(self.device.type).set_rng_state(self.state, self.device)
+
+    def is_current(self) -> bool:
+        """Whether the generators are in this state now."""
+        if not torch.equal(torch.get_rng_state(), self.cpu):
+            return False
+        if self.device is None:
+            return True
+        current = torch.get_device_module(self.device.type).get_rng_state(self.device)
+        return torch.equal(current, self.state)
+
+
+def region_switched_off() -> bool:
+    """Whether a region would run plainly now (autograd or ckptwrap off)."""
+    return _switched_off(torch.compiler.is_compiling())
 
 
 def _switched_off(compiling: bool) -> bool:
@@ -105,24 +175,27 @@ class _KeepStats:
 
     __slots__ = ("owner", "call")
 
-    def __init__(self, owner: torch.nn.Module, call: Callable[..., Any]) -> None:
+    def __init__(
+        self, owner: Union[torch.nn.Module, Tuple[torch.nn.Module, ...]], call: Callable[..., Any]
+    ) -> None:
         self.owner = owner
         self.call = call
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not is_recomputing():
             return self.call(*args, **kwargs)
-        with _statistics_restored(self.owner):
+        owners = self.owner if isinstance(self.owner, tuple) else (self.owner,)
+        with _statistics_restored(owners):
             return self.call(*args, **kwargs)
 
 
 @contextlib.contextmanager
-def _statistics_restored(module: torch.nn.Module) -> Iterator[None]:
+def _statistics_restored(modules: Tuple[torch.nn.Module, ...]) -> Iterator[None]:
     saved: List[Tuple[torch.Tensor, torch.Tensor]] = []
     # Outside any dispatch mode of the recomputation (selective checkpointing replays only
     # the operators its forward recorded, and these copies are not among them).
     with _disable_current_modes():
-        for sub in module.modules():
+        for sub in (sub for module in modules for sub in module.modules()):
             if isinstance(sub, _NormBase) and sub.training and sub.track_running_stats:
                 for name in _STAT_NAMES:
                     buffer = getattr(sub, name, None)

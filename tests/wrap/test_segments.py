@@ -1,0 +1,264 @@
+"""Segments: consecutive modules checkpointed as one region, as checkpoint_sequential does.
+
+The budget planner forms them when a module's only input is the previous candidate's
+output; ``wrap_model`` runs the first module's region over the whole chain and hands
+each later module the output the segment computed for it. Every test compares with the
+same model run plainly from the same seeds.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import pickle
+import warnings
+from typing import List, Optional, Tuple
+
+import pytest
+import torch
+from torch import nn
+
+import ckptwrap
+from ckptwrap import plan, unwrap_model, wrap_model
+from ckptwrap.measure import ModelProfile
+from ckptwrap.policy._solver import predicted_peak, solve_budget
+from ckptwrap.wrap import _costs
+from ckptwrap.wrap._costs import forward_items
+from ckptwrap.wrap._model import _apply
+from ckptwrap.wrap._options import CheckpointOptions
+from ckptwrap.wrap._plan import Plan, PlanEntry
+
+from ._models import (
+    CallLog,
+    ConvNet,
+    TinyGPT,
+    assert_same,
+    conv_batch,
+    conv_loss,
+    gpt_batch,
+    gpt_loss,
+    grads,
+    make,
+    step,
+    structure,
+)
+
+
+def _gpt(layers: int = 6) -> nn.Module:
+    return make(lambda: TinyGPT(layers=layers, width=32)).train()
+
+
+def _segment_plan(names: List[Tuple[str, ...]], kind: str = "Block") -> Plan:
+    """A plan that checkpoints each tuple of names as one segment."""
+    entries = []
+    for group in names:
+        entries.append(PlanEntry(group[0], kind))
+        entries += [PlanEntry(name, kind, joins=before) for before, name in zip(group, group[1:])]
+    return Plan(policy="segments (test)", options=CheckpointOptions(), selected=tuple(entries))
+
+
+def _plain_reference(model: nn.Module, loss, batch):
+    reference = copy.deepcopy(model)
+    loss_value = step(reference, loss, batch)
+    return reference, loss_value
+
+
+def _recomputed(log: CallLog, names: List[str], child: str) -> List[int]:
+    """How often each named block's ``child`` ran inside a recomputation."""
+    return [log.recomputed[f"{name}.{child}"] for name in names]
+
+
+# ------------------------------------------------------------------------ running segments
+
+
+def test_a_segment_recomputes_each_member_once_with_equal_gradients():
+    model = _gpt()
+    reference, expected_loss = _plain_reference(model, gpt_loss, gpt_batch())
+    _apply(model, _segment_plan([("h.0", "h.1", "h.2"), ("h.3", "h.4")]))
+    log = CallLog()
+    with log.watching(model):
+        loss = step(model, gpt_loss, gpt_batch())
+    assert torch.equal(loss, expected_loss)
+    assert_same(grads(model), grads(reference), "segments")
+    blocks = [f"h.{i}" for i in range(6)]
+    assert _recomputed(log, blocks, "attn") == [1, 1, 1, 1, 1, 0]
+    # The model's forward still called every block once, members included.
+    assert [log.forward[name] for name in blocks] == [1] * 6
+
+
+def test_a_segment_keeps_only_its_first_input():
+    """Inside one region, the members' inputs are rebuilt, not kept: fewer tensors stay
+    alive after the forward than with one region per block."""
+
+    def live_after_forward(wrapped: nn.Module) -> int:
+        saved = []
+
+        def pack(tensor):
+            saved.append(tensor)
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = gpt_loss(wrapped, gpt_batch())
+        del loss
+        return len(saved)
+
+    blocks = [f"h.{i}" for i in range(6)]
+    per_block, segment = _gpt(), _gpt()
+    wrap_model(per_block, lambda module, name: name in blocks)
+    _apply(segment, _segment_plan([tuple(blocks)]))
+    # The model's own saved tensors are the same; what the regions keep differs by the
+    # inputs of the five later blocks.
+    assert live_after_forward(segment) < live_after_forward(per_block)
+
+
+def test_batchnorm_statistics_and_gradients_match_the_plain_step_in_a_segment():
+    model = make(lambda: ConvNet(blocks=3)).train()
+    reference, _ = _plain_reference(model, conv_loss, conv_batch())
+    _apply(model, _segment_plan([("blocks.0", "blocks.1", "blocks.2")], kind="ConvBlock"))
+    step(model, conv_loss, conv_batch())
+    assert_same(grads(model), grads(reference), "conv segment")
+    assert_same(dict(model.named_buffers()), dict(reference.named_buffers()), "running statistics")
+
+
+def test_a_broken_chain_runs_the_member_alone_and_says_so():
+    class Detour(TinyGPT):
+        """Between blocks 1 and 2 the forward makes a new tensor: no longer a chain."""
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            x = self.drop(self.wte(ids) + self.wpe(torch.arange(ids.shape[1])))
+            for index, block in enumerate(self.h):
+                x = block(x * 1.0 if index == 2 else x)
+            return self.head(self.ln_f(x))
+
+    model = make(lambda: Detour(layers=4, width=32)).train()
+    reference, _ = _plain_reference(model, gpt_loss, gpt_batch())
+    _apply(model, _segment_plan([("h.0", "h.1", "h.2")]))
+    log = CallLog()
+    with pytest.warns(UserWarning, match=r"Block was planned to run in one checkpointed segment"):
+        with log.watching(model):
+            step(model, gpt_loss, gpt_batch())
+    assert_same(grads(model), grads(reference), "broken chain")
+    # h.2 ran as its own region; h.0 and h.1 in the segment.
+    assert _recomputed(log, ["h.0", "h.1", "h.2", "h.3"], "attn") == [1, 1, 1, 0]
+
+
+def test_disabled_and_no_grad_run_segments_plainly():
+    model = _gpt(4)
+    reference, _ = _plain_reference(model, gpt_loss, gpt_batch())
+    _apply(model, _segment_plan([("h.0", "h.1", "h.2", "h.3")]))
+    log = CallLog()
+    with ckptwrap.disabled(), log.watching(model):
+        step(model, gpt_loss, gpt_batch())
+    assert sum(log.recomputed.values()) == 0
+    assert_same(grads(model), grads(reference), "disabled")
+    with torch.no_grad():
+        ids, _ = gpt_batch()
+        torch.manual_seed(1)
+        out = model(ids)
+        torch.manual_seed(1)
+        assert torch.equal(out, reference(ids))
+
+
+def test_a_forward_pre_hook_on_a_member_makes_each_module_its_own_region():
+    model = _gpt(4)
+    reference, _ = _plain_reference(model, gpt_loss, gpt_batch())
+    _apply(model, _segment_plan([("h.0", "h.1", "h.2")]))
+    seen = []
+    # Like FSDP2's parameter gathering: it must run before the module computes.
+    model.h[1].register_forward_pre_hook(lambda module, args: seen.append(ckptwrap.is_recomputing()))
+    log = CallLog()
+    with log.watching(model):
+        step(model, gpt_loss, gpt_batch())
+    assert_same(grads(model), grads(reference), "hooked member")
+    assert seen == [False]  # called once, by the model's forward, before h.1 ran
+    assert _recomputed(log, ["h.0", "h.1", "h.2", "h.3"], "attn") == [1, 1, 1, 0]
+
+
+def test_wrapped_segments_copy_pickle_and_unwrap():
+    model = _gpt(4)
+    before = structure(model)
+    reference, _ = _plain_reference(model, gpt_loss, gpt_batch())
+    _apply(model, _segment_plan([("h.0", "h.1", "h.2")]))
+    for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        log = CallLog()
+        with log.watching(copied):
+            step(copied, gpt_loss, gpt_batch())
+        assert_same(grads(copied), grads(reference), "copied segments")
+        assert _recomputed(log, ["h.0", "h.1", "h.2", "h.3"], "attn") == [1, 1, 1, 0]
+    assert list(model.state_dict()) == before["state_dict"]
+    unwrap_model(model)
+    assert structure(model) == before
+    assert all("forward" not in module.__dict__ for module in model.modules())
+
+
+def test_the_plan_table_marks_segment_members():
+    shown = str(_segment_plan([("h.0", "h.1")]))
+    assert "+ h.1" in shown and "one region with the module above it" in shown
+    assert "+ h.0" not in shown
+
+
+# ------------------------------------------------------------------ the planner's segments
+
+
+def _constant_times(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every candidate takes the same time, so plans depend on bytes alone."""
+    profile_modules = _costs.profile_modules
+
+    def profile(*args, **kwargs) -> ModelProfile:
+        found = profile_modules(*args, **kwargs)
+        return dataclasses.replace(
+            found,
+            modules=tuple(dataclasses.replace(cost, forward_time=1e-3) for cost in found.modules),
+        )
+
+    monkeypatch.setattr(_costs, "profile_modules", profile)
+
+
+def _sequential_budget(model: nn.Module, example: Tuple[torch.Tensor, ...]) -> Tuple[int, int]:
+    """The predicted peak of checkpoint_sequential's plan over the blocks (segments of
+    two, the last left plain), and how many blocks it recomputes."""
+    names = [f"h.{i}" for i in range(len(model.h))]
+    profile = _costs.profile_modules(model, names, example, repeats=0)
+    items = [item for _, item in forward_items(profile, names, segments=True)]
+    groups = [tuple(range(i, i + 2)) for i in range(0, len(names) - 2, 2)]
+    return predicted_peak(items, groups, base=profile.base_bytes), 2 * len(groups)
+
+
+def test_the_planner_forms_segments_at_checkpoint_sequential_s_peak(monkeypatch):
+    _constant_times(monkeypatch)
+    model = _gpt(8)
+    example = (gpt_batch()[0],)
+    budget, recomputed = _sequential_budget(model, example)
+    result = plan(model, f"budget:{budget}B", example_inputs=example)
+    assert result.predicted_peak <= budget
+    assert len(result) <= recomputed
+    assert any(entry.joins for entry in result.selected)
+    # Without segments, the same peak needs more blocks.
+    names = [f"h.{i}" for i in range(8)]
+    profile = _costs.profile_modules(model, names, example, repeats=0)
+    single = [dataclasses.replace(item, time=1.0) for _, item in forward_items(profile, names)]
+    alone = solve_budget(single, budget, base=profile.base_bytes)
+    assert len(alone.selected) > len(result)
+    # Applied, the segments train exactly like the plain model.
+    reference, _ = _plain_reference(model, gpt_loss, gpt_batch())
+    wrap_model(model, f"budget:{budget}B", example_inputs=example)
+    assert model.ckptwrap_plan.selected == result.selected
+    step(model, gpt_loss, gpt_batch())
+    assert_same(grads(model), grads(reference), "planned segments")
+
+
+@pytest.mark.parametrize(
+    ("policy", "options"),
+    [("blocks;budget:{}B;selective", {}), ("blocks;budget:{}B", {"use_reentrant": True})],
+)
+def test_no_segments_for_the_selective_tier_or_the_reentrant_engine(monkeypatch, policy, options):
+    _constant_times(monkeypatch)
+    model = _gpt(8)
+    example = (gpt_batch()[0],)
+    budget, _ = _sequential_budget(model, example)
+    try:
+        result = plan(model, policy.format(budget), example_inputs=example, **options)
+    except ckptwrap.CheckpointError as error:  # the selective tier may not reach it
+        assert "smallest reachable peak" in str(error)
+        return
+    assert not any(entry.joins for entry in result.selected)
