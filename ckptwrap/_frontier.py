@@ -75,7 +75,7 @@ def pareto_points(
             f"frontier over; give a policy whose set terms select some modules"
         )
     profile = profile_modules(model, names, inputs)
-    ordered = forward_items(profile, names)
+    ordered = forward_items(profile, names, segments=True)
     names = [name for name, _ in ordered]
     items = [item for _, item in ordered]
     base = profile.base_bytes
@@ -159,13 +159,21 @@ def _point(label: str, items: Sequence[CostItem], selected: Sequence[int], base:
 
 
 def _sequential_point(items: Sequence[CostItem], base: int) -> Point:
-    """``checkpoint_sequential`` as the cost model sees it: each checkpointed segment keeps
-    its first module's inputs and recomputes all of its modules at once; the last segment,
-    as in ``checkpoint_sequential``, is not checkpointed."""
+    """``checkpoint_sequential`` as the cost model sees it: about sqrt(n) segments of
+    consecutive candidates, each checkpointed as one region that keeps its first input;
+    the last segment, as in ``checkpoint_sequential``, is not checkpointed. Candidates that
+    cannot form segments (see ``CostItem.joins``) are merged by hand: each segment keeps
+    its first candidate's inputs and recomputes all of its candidates at once."""
     n = len(items)
     segments = max(1, round(math.sqrt(n)))
     size = n // segments
     bounds = [k * size for k in range(segments)] + [n]
+    groups = [tuple(range(bounds[k], bounds[k + 1])) for k in range(segments - 1)]
+    label = f"checkpoint_sequential, {segments} segments"
+    names = tuple(item.name for item in items[: bounds[segments - 1]])
+    if all(items[i].joins is not None for group in groups for i in group[1:]):
+        peak = predicted_peak(items, [group for group in groups if group], base=base)
+        return Point(label, peak, math.fsum(items[i].time for i in range(len(names))), names)
     merged = [
         CostItem(
             f"segment {k}",
@@ -175,6 +183,5 @@ def _sequential_point(items: Sequence[CostItem], base: int) -> Point:
         )
         for k in range(segments)
     ]
-    point = _point(f"checkpoint_sequential, {segments} segments", merged, range(segments - 1), base)
-    names = tuple(item.name for item in items[: bounds[segments - 1]])
+    point = _point(label, merged, range(segments - 1), base)
     return dataclasses.replace(point, names=names)

@@ -10,7 +10,7 @@ from typing import List, Optional, Tuple
 from torch import nn
 
 from ..wrap._decorator import decorator_options
-from ..wrap._model import _CheckpointedForward
+from ..wrap._model import _CheckpointedForward, _SegmentMember
 from ..wrap._options import CheckpointOptions
 from ..wrap._wrapper import CheckpointWrapper
 
@@ -60,6 +60,8 @@ def markings_of(module: nn.Module) -> List[Marking]:
     found: List[Marking] = []
     forward = module.__dict__.get("forward")
     if isinstance(forward, _CheckpointedForward) and not forward.offload:
+        found.append(("wrap_model", forward.options))
+    elif isinstance(forward, _SegmentMember):  # runs in the region of the module before it
         found.append(("wrap_model", forward.options))
     if isinstance(module, CheckpointWrapper):
         found.append(("CheckpointWrapper", module.checkpoint_options))
