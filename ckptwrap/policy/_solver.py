@@ -38,7 +38,7 @@ _APPROX_CELLS = 1 << 24
 _MAX_CELLS = 1 << 26
 # Segments are at most this long, and shorter when n x steps x length would pass the bound.
 _LONGEST_SEGMENT = 64
-_SEGMENT_CELLS = 1 << 27
+_SEGMENT_CELLS = 1 << 24
 _BYTE_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
 _NEVER = 1 << 62  # an unreachable entry's key
 
@@ -62,7 +62,7 @@ class CostItem:
 
     Example:
         >>> CostItem("layers.0", kept=8 << 20, inputs=1 << 20, time=0.002)
-        CostItem(name='layers.0', kept=8388608, inputs=1048576, time=0.002, rebuilt=8388608, before=None)
+        CostItem(name='layers.0', kept=8388608, inputs=1048576, time=0.002, rebuilt=8388608, before=None, joins=None)
     """
 
     name: str
@@ -541,17 +541,23 @@ class _Search:
         return sorted(groups)
 
     def refine(self, groups: List[Group]) -> List[Group]:
-        """On a coarse axis, drop the costliest regions the exact peak does not need."""
+        """On a coarse axis, drop the costliest regions the exact peak does not need.
+
+        Passes repeat until none drops a region: dropping a later region can leave an
+        earlier one, kept only to lower the later one's recomputation, unneeded.
+        """
         if self.exact or not groups:
             return groups
         items, base = self.items, self.base
         limit = self.budget if self.budget is not None else _peak(items, groups, base)
-        kept = list(groups)
         cost = lambda g: (-math.fsum(items[i].time for i in g), -sum(items[i].kept for i in g), g)  # noqa: E731
-        for group in sorted(groups, key=cost):
-            trial = [other for other in kept if other != group]
-            if _peak(items, trial, base) <= limit:
-                kept = trial
+        kept, dropped = list(groups), True
+        while dropped:
+            dropped = False
+            for group in sorted(kept, key=cost):
+                trial = [other for other in kept if other != group]
+                if _peak(items, trial, base) <= limit:
+                    kept, dropped = trial, True
         return sorted(kept)
 
 
