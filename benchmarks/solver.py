@@ -22,6 +22,7 @@ from ckptwrap.policy._solver import (
     BudgetSolution,
     CostItem,
     format_bytes,
+    predicted_peak,
     smallest_reachable_peak,
     solve_budget,
 )
@@ -33,8 +34,12 @@ CASES: Tuple[Tuple[int, str, Optional[float]], ...] = (
     (1000, "bytes", 1.0),
     (100, "MiB", 0.050),
     (1000, "MiB", 1.0),
+    (100, "chain", None),
+    (1000, "chain", None),
 )
-"""Candidate count, size granularity and target seconds (None: no target)."""
+"""Candidate count, size granularity and target seconds (None: no target). ``chain``
+candidates (sizes in bytes) each take the previous one's output, so the solver also
+weighs segments of consecutive candidates: more work per candidate, no target."""
 BUDGET_POSITIONS = (0.1, 0.5, 0.9)
 """Where each budget lies between the smallest reachable peak (0) and no checkpointing (1)."""
 
@@ -42,7 +47,8 @@ BUDGET_POSITIONS = (0.1, 0.5, 0.9)
 def random_instance(n: int, sizes: str, rng: random.Random) -> Tuple[List[CostItem], int]:
     """``n`` candidates like blocks of mixed widths, and the base bytes.
 
-    ``sizes`` is ``"bytes"`` for arbitrary byte counts or ``"MiB"`` for whole MiB.
+    ``sizes`` is ``"bytes"`` for arbitrary byte counts, ``"MiB"`` for whole MiB, or
+    ``"chain"`` for byte counts of candidates that can form segments.
     """
     items = []
     for i in range(n):
@@ -51,14 +57,16 @@ def random_instance(n: int, sizes: str, rng: random.Random) -> Tuple[List[CostIt
         else:
             kept, inputs = rng.randint(8 * _MIB, 96 * _MIB), rng.randint(_MIB // 2, 8 * _MIB)
         time = rng.uniform(1e-3, 2e-2)
-        items.append(CostItem(f"layers.{i}", kept=kept, inputs=inputs, time=time))
-    return items, rng.randint(16 * _MIB, 256 * _MIB)
+        joins = rng.randint(_MIB // 2, 2 * _MIB) if sizes == "chain" and i else None
+        items.append(CostItem(f"layers.{i}", kept=kept, inputs=inputs, time=time, joins=joins))
+    joined = sum(item.joins or 0 for item in items)
+    return items, joined + rng.randint(16 * _MIB, 256 * _MIB)
 
 
 def budgets(items: Sequence[CostItem], base: int) -> List[int]:
     """One budget per position in ``BUDGET_POSITIONS``."""
     low = smallest_reachable_peak(items, base=base)
-    high = base + sum(item.kept for item in items)
+    high = predicted_peak(items, (), base=base)
     return [low + int(position * (high - low)) for position in BUDGET_POSITIONS]
 
 

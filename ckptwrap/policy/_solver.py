@@ -329,23 +329,8 @@ def _carried(item: CostItem) -> int:
 
 
 def _peak(items: Sequence[CostItem], groups: Iterable[Group], base: int) -> int:
-    starts = {group[0]: group for group in groups}
-    inside = {i for group in starts.values() for i in group[1:]}
-    joined = list(itertools.accumulate(_carried(item) for item in items))
-    held, recompute = 0, []
-    for i, item in enumerate(items):
-        if i in inside:
-            continue
-        group = starts.get(i)
-        if group is None:
-            held += _carried(item) + item.kept
-            continue
-        recompute.append(
-            _before(item, base) - joined[i] + held + _carried(item) + item.inputs
-            + _rebuilt(items, group)
-        )
-        held += _carried(item) + item.inputs
-    return max([base - (joined[-1] if joined else 0) + held, *recompute])
+    terms = _Terms(items, sorted(groups), base)
+    return max(terms.end, terms.before_max[-1])
 
 
 def _rebuilt(items: Sequence[CostItem], group: Group) -> int:
@@ -551,14 +536,53 @@ class _Search:
         items, base = self.items, self.base
         limit = self.budget if self.budget is not None else _peak(items, groups, base)
         cost = lambda g: (-math.fsum(items[i].time for i in g), -sum(items[i].kept for i in g), g)  # noqa: E731
-        kept, dropped = list(groups), True
+        kept, dropped = sorted(groups), True
         while dropped:
             dropped = False
+            terms = _Terms(items, kept, base)
             for group in sorted(kept, key=cost):
-                trial = [other for other in kept if other != group]
-                if _peak(items, trial, base) <= limit:
-                    kept, dropped = trial, True
-        return sorted(kept)
+                if terms.peak_without(group) <= limit:
+                    kept = [other for other in kept if other != group]
+                    terms, dropped = _Terms(items, kept, base), True
+        return kept
+
+
+class _Terms:
+    """The peak's terms for ``groups`` (sorted), to price dropping one group in O(log n):
+    dropping it adds the same amount to the end of the forward and to every later
+    recomputation, and removes its own."""
+
+    def __init__(self, items: Sequence[CostItem], groups: List[Group], base: int) -> None:
+        self.items = items
+        self.starts = [group[0] for group in groups]
+        self.index = {group: k for k, group in enumerate(groups)}
+        joined = list(itertools.accumulate(_carried(item) for item in items))
+        starts = {group[0]: group for group in groups}
+        inside = {i for group in groups for i in group[1:]}
+        held, terms = 0, []
+        for i, item in enumerate(items):
+            if i in inside:
+                continue
+            group = starts.get(i)
+            if group is None:
+                held += _carried(item) + item.kept
+                continue
+            terms.append(
+                _before(item, base) - joined[i] + held + _carried(item) + item.inputs
+                + _rebuilt(items, group)
+            )
+            held += _carried(item) + item.inputs
+        self.end = base - (joined[-1] if joined else 0) + held
+        self.before_max = list(itertools.accumulate(terms, max, initial=-1))
+        self.after_max = list(itertools.accumulate(reversed(terms), max, initial=-1))[::-1]
+
+    def peak_without(self, group: Group) -> int:
+        items, k = self.items, self.index[group]
+        growth = sum(_carried(items[i]) + items[i].kept for i in group) - (
+            _carried(items[group[0]]) + items[group[0]].inputs
+        )
+        later = self.after_max[k + 1]
+        return max(self.end + growth, self.before_max[k], later + growth if later >= 0 else -1)
 
 
 def _shift(values: torch.Tensor, by: int, fill: float) -> torch.Tensor:
