@@ -403,9 +403,13 @@ def wrap_model(
         >>> model = wrap_model(AutoModelForCausalLM.from_config(cfg), "every:2")
         >>> print(model.ckptwrap_plan)
     """
+    # Everything that can be checked without costs is checked now.
+    unmeasured, budget = _select(model, policy, nested, options)
+    if budget is not None and _applied_already(model, unmeasured):
+        # Planned again on the wrapped model, the budget would be read against the memory
+        # that is left: wrapping twice stays a no-op.
+        return model
     if example_inputs is None and example_kwargs is None:
-        # Everything that can be checked without costs is checked now.
-        unmeasured, budget = _select(model, policy, nested, options)
         if budget is not None:
             _remove_pending(model)
             model.register_forward_pre_hook(
@@ -421,6 +425,17 @@ def wrap_model(
     )
     _apply(model, applied)
     return model
+
+
+def _applied_already(model: nn.Module, unmeasured: Plan) -> bool:
+    """Whether ``model`` carries a measured plan of the same policy, options and tier."""
+    existing = model.__dict__.get(PLAN_ATTRIBUTE)
+    return (
+        isinstance(existing, Plan)
+        and not existing.pending
+        and (existing.policy, existing.options, existing.tier, existing.nested)
+        == (unmeasured.policy, unmeasured.options, unmeasured.tier, unmeasured.nested)
+    )
 
 
 def _apply(model: nn.Module, applied: Plan) -> None:

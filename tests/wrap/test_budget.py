@@ -23,7 +23,7 @@ from ckptwrap.measure import profile_modules
 from ckptwrap.policy._solver import predicted_peak
 from ckptwrap.wrap._costs import cost_item
 
-from ._models import TinyGPT, assert_same, gpt_batch, gpt_loss, grads, make, marked, recompute_counts, step, structure
+from ._models import TinyGPT, assert_same, gpt_batch, gpt_loss, grads, make, marked, markings, recompute_counts, step, structure
 
 
 def _example():
@@ -199,3 +199,19 @@ def test_selective_tier_with_batchnorm_updates_statistics_once():
     step(plain, conv_loss, conv_batch())
     assert_same(grads(model), grads(plain), "gradients")
     assert_same(dict(model.named_buffers()), dict(plain.named_buffers()), "running statistics")
+
+
+def test_wrapping_twice_with_a_budget_is_a_no_op():
+    model = _model()
+    wrap_model(model, "budget:50%", example_inputs=_example())
+    before = markings(model)
+    # Planned again, the budget would be read against the memory left after the first
+    # wrap, and refused or met by other modules.
+    wrap_model(model, "budget:50%", example_inputs=_example())
+    wrap_model(model, "budget:50%")
+    assert markings(model) == before
+    assert not model._forward_pre_hooks  # no second measurement pending
+    # A different budget is a different plan: unwrap first, as for other options.
+    unwrap_model(model)
+    wrap_model(model, "budget:60%", example_inputs=_example())
+    assert model.ckptwrap_plan.policy == "budget:60%"
