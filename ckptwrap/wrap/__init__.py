@@ -2,7 +2,8 @@
 ``unwrap_model`` / ``plan``, which mark the modules a policy selects. Uses the engine."""
 
 from ._decorator import checkpointed
-from ._model import unwrap_model, wrap_model, plan
+from ._model import unwrap_model, wrap_model
+from ._planning import plan
 from ._options import CheckpointOptions
 from ._plan import Plan, PlanEntry
 from ._switch import disabled

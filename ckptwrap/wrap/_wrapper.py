@@ -17,7 +17,7 @@ from .._errors import CheckpointConfigError
 from ._options import CheckpointOptions, options_from
 from ._region import run_region
 
-__all__ = ["CheckpointWrapper"]
+__all__ = ["CheckpointWrapper", "refuse_torchscript"]
 
 # The prefix torch's own checkpoint_wrapper puts in front of every key.
 _TORCH_WRAPPER_PREFIX = "_checkpoint_wrapped_module."
@@ -58,6 +58,7 @@ class CheckpointWrapper(nn.Module):
             raise CheckpointConfigError(
                 f"CheckpointWrapper wraps an nn.Module, got {type(module).__name__}."
             )
+        refuse_torchscript(module, "CheckpointWrapper", type(module).__name__)
         resolved = options_from(options, where="CheckpointWrapper")
         super().__init__()
         object.__setattr__(self, "_ckptwrap_module", module)
@@ -125,3 +126,18 @@ class CheckpointWrapper(nn.Module):
         inner = textwrap.indent(repr(self.wrapped_module), "  ")
         tail = f",\n  {shown}" if shown else ""
         return f"CheckpointWrapper(\n{inner}{tail}\n)"
+
+
+def refuse_torchscript(module: nn.Module, where: str, name: str) -> None:
+    """Raise if ``module`` is TorchScript: its forward is compiled code that ckptwrap cannot
+    run as a checkpointed region, and setting attributes on it fails deep inside torch."""
+    if not isinstance(module, torch.jit.ScriptModule):
+        return
+    original = getattr(module, "original_name", type(module).__name__)
+    raise CheckpointConfigError(
+        f"{where} cannot checkpoint {name} ({original}, a TorchScript module from "
+        f"torch.jit.script or torch.jit.trace): its forward is compiled TorchScript, not a "
+        f"Python forward that can run as a checkpointed region. Checkpoint the eager module "
+        f"instead (torch.compile works with checkpointed modules), or leave this module out "
+        f"of the policy."
+    )

@@ -5,7 +5,8 @@ Run as a script, once per rank, by ``test_parallel.py`` (the environment carries
 
     python _worker.py SCENARIOS_JSON OUTPUT_DIR
 
-For each scenario it builds the tiny GPT from the same seed, marks it with ``wrap_model``,
+For the ``plan`` scenario it records the budget plans the rank makes alone and applies
+with the others. For each other scenario it builds the tiny GPT from the same seed, marks it with ``wrap_model``,
 wraps it in DDP or shards it with FSDP2, trains on this rank's half of each global batch
 and saves the full parameters (or the error raised) to ``OUTPUT_DIR/rank{RANK}.pt``.
 """
@@ -18,6 +19,7 @@ import json
 import os
 import sys
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any, Dict
 
@@ -60,6 +62,26 @@ def train(scenario: Dict[str, Any], rank: int, world: int) -> Dict[str, Any]:
     return {"wrapped": len(model.ckptwrap_plan), "params": params}
 
 
+def budget_plans(rank: int) -> Dict[str, Any]:
+    """The budget plans this rank makes on its own and applies with the others.
+
+    Each rank plans on its own share of the batch, twice as large on rank 1 as on rank 0,
+    under one absolute budget: alone they choose different blocks, so only agreement makes
+    them apply the same.
+    """
+    model = build_model("gpt")
+    reference = ckptwrap.plan(model, "blocks", example_inputs=synthetic_batch(CONFIG, 2, seed=0))
+    budget = f"budget:{reference.activation_bytes * 3 // 4 // 1024}KiB"
+    mine = synthetic_batch(CONFIG, 2 * (rank + 1), seed=rank)
+    own = ckptwrap.plan(model, budget, example_inputs=mine).names  # plan() alone is not collective
+    eager = ckptwrap.wrap_model(build_model("gpt"), budget, example_inputs=mine)
+    lazy = ckptwrap.wrap_model(build_model("gpt"), budget)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the note that the plan was measured on this forward
+        lazy(*mine).backward()
+    return {"own": own, "eager": eager.ckptwrap_plan.names, "lazy": lazy.ckptwrap_plan.names}
+
+
 def main() -> None:
     scenarios, out_dir = json.loads(sys.argv[1]), Path(sys.argv[2])
     torch.set_num_threads(1)
@@ -70,7 +92,10 @@ def main() -> None:
     try:
         for scenario in scenarios:
             try:
-                results[scenario["name"]] = train(scenario, rank, world)
+                if scenario["strategy"] == "plan":
+                    results[scenario["name"]] = budget_plans(rank)
+                else:
+                    results[scenario["name"]] = train(scenario, rank, world)
             except Exception:  # reported by the test; the next scenario still runs
                 results[scenario["name"]] = {"error": traceback.format_exc()}
     finally:

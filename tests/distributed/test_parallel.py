@@ -54,6 +54,10 @@ SCENARIOS = [
 ]
 
 
+# Not a training scenario: each rank plans a budget on its own share of the batch.
+_PLAN = dict(name="budget-plans", strategy="plan")
+
+
 def _free_loopback_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -88,7 +92,7 @@ def _launch(scenarios: List[Dict[str, Any]], out_dir: Path) -> List[Dict[str, An
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    return _launch(SCENARIOS, tmp_path_factory.mktemp("ranks"))
+    return _launch([*SCENARIOS, _PLAN], tmp_path_factory.mktemp("ranks"))
 
 
 @pytest.fixture(scope="module")
@@ -121,3 +125,16 @@ def test_every_rank_matches_one_process_on_the_global_batch(scenario, ranks, ref
                 params[name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {rank}, {name}: {m}"
             )
 
+
+def test_every_rank_applies_the_plan_of_rank_zero(ranks):
+    results = [rank_results[_PLAN["name"]] for rank_results in ranks]
+    for rank, result in enumerate(results):
+        assert "error" not in result, f"rank {rank} failed:\n{result['error']}"
+    alone = [result["own"] for result in results]
+    # Alone, the ranks choose differently (otherwise this test could not fail).
+    assert len(alone[0]) != len(alone[1]), alone
+    for path in ("eager", "lazy"):
+        applied = [result[path] for result in results]
+        assert applied[0] == applied[1], f"{path}: the ranks applied different plans {applied}"
+        # Rank 0 planned the same again (blocks alike in cost may swap, but not their number).
+        assert len(applied[0]) == len(alone[0]), f"{path}: {applied[0]}, rank 0 alone {alone[0]}"

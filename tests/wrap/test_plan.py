@@ -43,9 +43,13 @@ def test_wrapping_twice_is_a_no_op(use_reentrant):
     assert [name for name, _ in second_plan.dropped] == [f"h.{i}" for i in range(4)]
     assert all("already checkpointed" in reason for _, reason in second_plan.dropped)
 
+    first_plan = model.ckptwrap_plan
     wrap_model(model, "blocks", use_reentrant=use_reentrant)
     again = markings(model)
     assert {k: v for k, v in again.items() if k != "<plan>"} == {k: v for k, v in first.items() if k != "<plan>"}
+    # The kept plan still says what is checkpointed, not "0 modules, all already checkpointed".
+    assert model.ckptwrap_plan == first_plan
+    assert model.ckptwrap_plan.names == marked(model) == [f"h.{i}" for i in range(4)]
 
     log = recompute_counts(model, gpt_loss, gpt_batch())
     assert log.recomputed["h.0.attn.qkv"] == 1, "the block is recomputed more than once: nested checkpoint"
@@ -53,6 +57,16 @@ def test_wrapping_twice_is_a_no_op(use_reentrant):
 
     unwrap_model(model)
     assert marked(model) == []
+
+
+def test_wrapping_more_on_top_records_everything_checkpointed():
+    model = wrap_model(make(TinyGPT), "every:2")
+    wrap_model(model, "blocks")
+    recorded = model.ckptwrap_plan
+    assert recorded.names == marked(model) == [f"h.{i}" for i in range(4)]
+    assert recorded.policy == "every:2 + blocks"
+    assert not any("already checkpointed" in reason for _, reason in recorded.dropped)
+    assert "4 module(s)" in str(recorded)
 
 
 @VARIANTS
@@ -271,3 +285,48 @@ def test_the_plan_lists_expanded_containers_in_model_order():
     assert plan(model, "type:ModuleList", nested=True).names == in_model_order
     wrap_model(model, "type:ModuleList", nested=True)
     assert marked(model) == model.ckptwrap_plan.names
+
+
+# --------------------------------------------------------------------------- TorchScript and inference mode
+
+
+_TORCHSCRIPT = pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+
+
+@_TORCHSCRIPT
+@pytest.mark.parametrize("how", ["script", "trace"])
+def test_torchscript_models_are_refused_by_name(how):
+    eager = make(lambda: nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)))
+    compiled = torch.jit.script(eager) if how == "script" else torch.jit.trace(eager, torch.randn(2, 4))
+    forward = compiled.__dict__.get("forward")
+    with pytest.raises(CheckpointConfigError, match=r"cannot checkpoint the model \(Sequential, a TorchScript module"):
+        wrap_model(compiled, "all")
+    with pytest.raises(CheckpointConfigError, match=r"CheckpointWrapper cannot checkpoint .*TorchScript"):
+        CheckpointWrapper(compiled)
+    assert compiled.__dict__.get("forward") is forward and "ckptwrap_plan" not in compiled.__dict__
+
+
+@_TORCHSCRIPT
+def test_a_scripted_submodule_is_refused_by_its_name_and_nothing_is_applied():
+    model = make(TinyGPT)
+    model.h[2] = torch.jit.script(model.h[2].mlp)  # now an item of the block list too
+    before = markings(model)
+    with pytest.raises(CheckpointConfigError, match=r"wrap_model cannot checkpoint h\.2 \(MLP, a TorchScript module"):
+        wrap_model(model, "name:h.*")
+    assert markings(model) == before
+
+
+def test_budget_plans_refuse_inference_mode():
+    model = make(TinyGPT).train()
+    batch = gpt_batch()
+    with torch.inference_mode():
+        with pytest.raises(CheckpointConfigError, match=r"budget:50%.*torch\.inference_mode\(\) is on"):
+            plan(model, "budget:50%", example_inputs=batch[:1])
+        with pytest.raises(CheckpointConfigError, match=r"torch\.inference_mode\(\) is on"):
+            wrap_model(model, "budget:50%", example_inputs=batch[:1])
+        inference_batch = batch[0].clone()
+    assert marked(model) == [] and "ckptwrap_plan" not in model.__dict__
+    with pytest.raises(CheckpointConfigError, match=r"example input \(shape \(\d+, \d+\)\) was created under torch\.inference_mode"):
+        plan(model, "budget:50%", example_inputs=(inference_batch,))
+    # The same inputs made outside inference mode plan as usual.
+    assert plan(model, "budget:50%", example_inputs=(batch[0],)).predicted_peak > 0

@@ -1,0 +1,206 @@
+"""``plan``: what a policy selects in a model, and, from measured costs, which of those
+a budget keeps; nothing in the model changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from .._errors import CheckpointConfigError
+from ..policy import Budget, Offload, Selective, as_policy, split_modifiers
+from ._costs import as_example, measure_and_choose
+from ._forwards import marking
+from ._options import CheckpointOptions, options_from
+from ._plan import Plan, PlanEntry
+from ._selective import SelectiveContexts
+from ._wrapper import refuse_torchscript
+
+__all__ = ["plan"]
+
+
+def plan(
+    model: nn.Module,
+    policy: Any = "blocks",
+    *,
+    nested: bool = False,
+    example_inputs: Any = None,
+    example_kwargs: Optional[Dict[str, Any]] = None,
+    **options: Any,
+) -> Plan:
+    """What :func:`wrap_model` would do with these arguments, without changing ``model``.
+
+    Args:
+        model: The model.
+        policy: A policy string (``"blocks"``, ``"every:2"``, ``"type:Block;last:4"``...),
+            a module class or tuple of classes, a predicate ``fn(module, name) -> bool``
+            or a policy object.
+        nested: Keep selected modules that lie inside other selected (or already
+            checkpointed) modules, as nested checkpoints. By default they are left out.
+        example_inputs: Positional inputs of one training forward (a tensor or a tuple).
+            Given, the candidates are profiled on them and the plan carries predicted
+            memory and time; a ``budget:`` policy needs them. The model runs as it is
+            (profile a training model in train mode); its state is left unchanged.
+        example_kwargs: Keyword inputs of that forward.
+        **options: Engine options of :func:`ckptwrap.checkpoint`.
+
+    Returns:
+        The plan: selected qualified names with their classes, what was left out and why,
+        and, when measured, predicted memory saved and recompute time per module and in
+        total.
+
+    Raises:
+        CheckpointConfigError: The policy or an option is not valid for this model, or a
+            selected module is already checkpointed with different options.
+    """
+    unmeasured, budget = _select(model, policy, nested, options)
+    if budget is None and example_inputs is None and example_kwargs is None:
+        return unmeasured
+    if example_inputs is None and example_kwargs is None:
+        raise CheckpointConfigError(
+            f"{budget.describe()} chooses modules from measured costs, so plan() needs "
+            f"example_inputs=(...) for one training forward of {type(model).__name__}; "
+            f"wrap_model without them measures on the first training forward instead."
+        )
+    args, kwargs = as_example(example_inputs, example_kwargs)
+    _refuse_inference(budget, unmeasured, args, kwargs)
+    context_fn = unmeasured.options.context_fn
+    save_policy = context_fn.args[0] if isinstance(context_fn, SelectiveContexts) else None
+    choice = measure_and_choose(
+        model, unmeasured.selected, budget, args, kwargs,
+        save_policy=save_policy,
+        # Segments run on the non-re-entrant engine only.
+        segments=unmeasured.tier == "recompute" and not unmeasured.options.use_reentrant,
+    )
+    return dataclasses.replace(
+        unmeasured,
+        selected=tuple(choice.entries),
+        dropped=unmeasured.dropped + tuple(choice.dropped),
+        budget=choice.budget,
+        activation_bytes=choice.activation_bytes,
+        predicted_peak=choice.predicted_peak,
+    )
+
+
+def _refuse_inference(
+    budget: Optional[Budget], unmeasured: Plan, args: Tuple[Any, ...], kwargs: Dict[str, Any]
+) -> None:
+    """Costs are measured on a training forward; under inference mode (or on its tensors)
+    autograd saves nothing, and every module would look free to keep."""
+    what = budget.describe() if budget is not None else f"measuring the plan of {unmeasured.policy!r}"
+    if torch.is_inference_mode_enabled():
+        raise CheckpointConfigError(
+            f"{what} measures one training forward, but torch.inference_mode() is on, so "
+            f"autograd would save nothing and every module would measure 0 bytes. Call "
+            f"plan()/wrap_model() outside torch.inference_mode()."
+        )
+    leaves = [*args, *kwargs.values()]
+    inference = [t for t in tree_leaves(leaves) if isinstance(t, torch.Tensor) and t.is_inference()]
+    if inference:
+        raise CheckpointConfigError(
+            f"{what} measures one training forward, but an example input (shape "
+            f"{tuple(inference[0].shape)}) was created under torch.inference_mode() and cannot "
+            f"take part in autograd. Make the example inputs outside inference mode (or pass "
+            f"tensor.clone() of them, made outside it)."
+        )
+
+
+def _select(
+    model: nn.Module, policy: Any, nested: bool, options: Dict[str, Any]
+) -> Tuple[Plan, Optional[Budget]]:
+    """The plan before any measurement (a budget's candidates), and the budget term."""
+    if not isinstance(model, nn.Module):
+        raise CheckpointConfigError(f"expected an nn.Module to plan for, got {type(model).__name__}.")
+    if not isinstance(nested, bool):
+        raise CheckpointConfigError(f"nested must be True or False, got {nested!r}.")
+    refuse_torchscript(model, "wrap_model", "the model")
+    resolved = options_from(options, where="wrap_model")
+    policy_object = as_policy(policy)
+    rest, budget, tier = split_modifiers(policy_object)
+    tier_name, ops, resolved = _apply_tier(tier, resolved)
+    names = rest.select(model)
+    modules = dict(model.named_modules())
+    markings = {name: marking(module) for name, module in modules.items() if name}
+    existing = [name for name, how_marked in markings.items() if how_marked is not None]
+
+    selected: List[PlanEntry] = []
+    dropped: List[Tuple[str, str]] = []
+    for name in _callable_modules(names, modules, dropped):
+        module = modules[name]
+        how_marked = markings[name]
+        if how_marked is not None:
+            how, their_options = how_marked
+            if their_options != resolved:
+                raise CheckpointConfigError(
+                    f"{name} ({type(module).__name__}) is already checkpointed by {how} with "
+                    f"{their_options}, which differs from the requested {resolved}. Call "
+                    f"unwrap_model(model) first to change the options."
+                )
+            dropped.append((name, f"already checkpointed by {how}"))
+            continue
+        if not nested:
+            ancestor = _enclosing(name, [e.name for e in selected] + existing)
+            if ancestor is not None:
+                dropped.append((name, f"inside checkpointed {ancestor} (pass nested=True to nest)"))
+                continue
+            inner = next((other for other in existing if other.startswith(name + ".")), None)
+            if inner is not None:
+                dropped.append(
+                    (name, f"contains checkpointed {inner} (pass nested=True to nest, or unwrap first)")
+                )
+                continue
+        selected.append(PlanEntry(name, type(module).__name__))
+    unmeasured = Plan(
+        policy=str(policy_object),
+        options=resolved,
+        selected=tuple(selected),
+        dropped=tuple(dropped),
+        nested=nested,
+        tier=tier_name,
+        selective_ops=ops,
+    )
+    return unmeasured, budget
+
+
+def _apply_tier(
+    tier: Any, options: CheckpointOptions
+) -> Tuple[str, Tuple[str, ...], CheckpointOptions]:
+    """The tier's name, its operators, and the engine options that carry it out."""
+    if isinstance(tier, Offload):
+        return "offload", (), options
+    if isinstance(tier, Selective):
+        if options.use_reentrant or options.context_fn is not None:
+            raise CheckpointConfigError(
+                f"{tier.describe()} runs on the non-re-entrant engine through context_fn; "
+                f"drop use_reentrant=True and context_fn, or drop the selective term."
+            )
+        return "selective", tier.ops, dataclasses.replace(options, context_fn=SelectiveContexts(tier.ops))
+    return "recompute", (), options
+
+
+def _callable_modules(
+    names: List[str], modules: Dict[str, nn.Module], dropped: List[Tuple[str, str]]
+) -> List[str]:
+    """``names`` with containers that are never called (ModuleList, ModuleDict) replaced
+    by their items: checkpointing a forward that never runs would silently do nothing."""
+    result: List[str] = []
+    for name in names:
+        module = modules[name]
+        refuse_torchscript(module, "wrap_model", name)
+        if type(module).forward is not nn.Module.forward:
+            result.append(name)
+            continue
+        items = [f"{name}.{child}" for child, sub in module.named_children() if sub is not None]
+        items = [item for item in items if item in modules]
+        dropped.append((name, f"{type(module).__name__} is never called; taking its items instead"))
+        result.extend(_callable_modules(items, modules, dropped))
+    order = {name: position for position, name in enumerate(modules)}
+    return sorted(set(result), key=order.__getitem__)
+
+
+def _enclosing(name: str, others: Iterable[str]) -> Optional[str]:
+    return next((other for other in others if name.startswith(other + ".")), None)
