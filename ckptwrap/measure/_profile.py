@@ -165,6 +165,9 @@ def profile_modules(
     inside the outer one it runs with autograd off, so whether its inputs would need grad
     is guessed (they do if anything in the model does). A module that calls itself is
     measured at its outermost call only; one called several times gets the sum of its calls.
+    A layer that writes a KV cache (a Hugging Face decoder layer) is measured as a
+    checkpointed call of it runs, without the cache: the measurement is a second run of its
+    forward, which must not write the cache again.
 
     Afterwards the model is as it was: training flags, buffers (BatchNorm running statistics)
     and the CPU and accelerator RNG states are restored, so the next training step draws the

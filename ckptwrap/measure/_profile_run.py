@@ -1,141 +1,36 @@
-"""How one profile runs: a memory pass and a timing pass over the model's forward, the
-forward hooks that measure each candidate call in them, and the tally of saved storages.
+"""How one profile runs: a memory pass and a timing pass over the model's forward, and the
+forward hooks that measure each candidate call in them.
+
+Storage bookkeeping is in ``_storages``, timing and RNG state in ``_timing``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import statistics
-import time
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils.checkpoint import (
-    CheckpointPolicy,
-    SelectiveCheckpointContext,
-    create_selective_checkpoint_contexts,
-)
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 
+from ._clients import cache_free_arguments
 from ._peak import _StorageCounter
 from ._progress import ProgressBar
+from ._storages import (
+    SavePolicy,
+    StorageMap,
+    Tally,
+    differentiable,
+    policy_watch,
+    saving,
+    tensor_storages,
+    tensors,
+)
+from ._timing import RngState, device_of, time_forward, time_replay
 
-__all__ = ["Record", "Session", "SavePolicy"]
-
-SavePolicy = Callable[..., CheckpointPolicy]
-"""A selective-checkpointing policy: ``policy(ctx, op, *args, **kwargs)`` says whether the
-output of ``op`` is saved (``MUST_SAVE``/``PREFER_SAVE``) or recomputed."""
-_SAVES = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
-
-
-def _tensor_storages(tensor: torch.Tensor) -> Iterator[torch.UntypedStorage]:
-    """The storages behind ``tensor``; a wrapper subclass (DTensor...) by its inner tensors."""
-    if is_traceable_wrapper_subclass(tensor):
-        attrs, _ = tensor.__tensor_flatten__()
-        for attr in attrs:
-            yield from _tensor_storages(getattr(tensor, attr))
-        return
-    try:
-        yield tensor.untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        # Sparse and some other layouts have no single storage; they are rare as
-        # activations, and counting them some other way would not be comparable.
-        return
-
-
-def _tensors(value: Any) -> List[torch.Tensor]:
-    return [leaf for leaf in tree_flatten(value)[0] if isinstance(leaf, torch.Tensor)]
-
-
-def _differentiable(tensor: torch.Tensor) -> bool:
-    return tensor.is_floating_point() or tensor.is_complex()
-
-
-class _Tally:
-    """Distinct storages, by the address of their C++ object, with their total bytes.
-
-    A weak reference to every storage seen pins that address, so a storage freed during the
-    count cannot be mistaken for a new one allocated at the same place, yet no memory is kept.
-    """
-
-    def __init__(self, excluded: Iterable[int] = (), inputs: Iterable[int] = ()) -> None:
-        self.bytes = 0
-        self.input_hits: set = set()
-        self._excluded = frozenset(excluded)
-        self._inputs = frozenset(inputs)
-        self._seen: Dict[int, Tuple[StorageWeakRef, int]] = {}
-        # Storages another tally counted first, and what to tell it if this one takes them.
-        self.claims: Dict[int, Callable[[int], None]] = {}
-        # Storages to report when they are met again after being counted.
-        self.watched: Dict[int, Callable[[], None]] = {}
-
-    def add(self, storage: torch.UntypedStorage, *, count: bool = True) -> None:
-        key = storage._cdata
-        if key in self._seen:
-            seen_again = self.watched.get(key)
-            if seen_again is not None:
-                seen_again()
-            return
-        if key in self._excluded:
-            return
-        if key in self._inputs:
-            self.input_hits.add(key)
-            return
-        self._seen[key] = (StorageWeakRef(storage), storage.nbytes() if count else 0)
-        if count:
-            self.bytes += storage.nbytes()
-            claim = self.claims.pop(key, None)
-            if claim is not None:
-                claim(storage.nbytes())
-
-    def add_tensors(self, tensors: Iterable[torch.Tensor], *, count: bool = True) -> "_Tally":
-        for tensor in tensors:
-            for storage in _tensor_storages(tensor):
-                self.add(storage, count=count)
-        return self
-
-    def holds(self, tensor: torch.Tensor) -> bool:
-        return bool(_keys([tensor]) & self._seen.keys())
-
-    def shared_bytes(self, other: "_Tally") -> int:
-        """Bytes of the storages counted both here and in ``other``."""
-        return sum(self._seen[key][1] for key in self._seen.keys() & other._seen.keys())
-
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A saved-tensors pack hook: note the storage and save the tensor unchanged."""
-        self.add_tensors((tensor,))
-        return tensor
-
-
-def _keys(tensors: Iterable[torch.Tensor]) -> set:
-    """Identities of the storages behind ``tensors``."""
-    return {storage._cdata for tensor in tensors for storage in _tensor_storages(tensor)}
-
-
-def _saving(tally: _Tally) -> torch.autograd.graph.saved_tensors_hooks:
-    """Saved-tensors hooks that note in ``tally`` what autograd saves, and save it as is."""
-    return torch.autograd.graph.saved_tensors_hooks(tally.pack, lambda tensor: tensor)
-
-
-class _PolicyTally(TorchDispatchMode):
-    """Notes in ``tally`` the outputs of the operators that ``policy`` would save."""
-
-    def __init__(self, policy: SavePolicy, tally: _Tally) -> None:
-        super().__init__()
-        self._policy, self._tally = policy, tally
-        self._context = SelectiveCheckpointContext(is_recompute=False)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if self._policy(self._context, func, *args, **kwargs) in _SAVES:
-            self._tally.add_tensors(_tensors(out))
-        return out
+__all__ = ["Record", "SavePolicy", "Session"]
 
 
 @dataclasses.dataclass
@@ -206,15 +101,15 @@ class Session:
         self._records = {id(module): Record(name, module) for name, module in targets}
         self.records: List[Record] = list(self._records.values())
         state = [*model.parameters(), *model.buffers()]
-        self._state_keys = _keys(state)
-        inputs = _tensors((args, kwargs))
-        self._excluded = self._state_keys | _keys(inputs)
+        self._state_storages = StorageMap.of(state)
+        inputs = tensors((args, kwargs))
+        self._excluded = self._state_storages.union(StorageMap.of(inputs))
         # Without any tensor that needs grad, nothing in the model's forward would need it.
         self._grad_possible = any(t.requires_grad for t in [*model.parameters(), *inputs])
         devices = {t.device for t in [*state, *inputs]}
         self._devices = [d for d in devices if d.type not in ("cpu", "meta")]
         self.start_rng = RngState(self._devices)
-        self._base = _Tally(self._excluded)
+        self._base = Tally(self._excluded)
         self._frames: List[_Frame] = []
         # True while a measurement runs: candidates called inside it are not calls of their own.
         self._busy = False
@@ -225,7 +120,7 @@ class Session:
         handles: List[Any] = []
         try:
             handles += self._hook(self._memory_pre, self._memory_post)
-            with torch.enable_grad(), _saving(self._base):
+            with torch.enable_grad(), saving(self._base):
                 output = self._model(*self._args, **self._kwargs)
             del output
             self._end_pass()
@@ -295,9 +190,9 @@ class Session:
         Inside another candidate the forward runs under no_grad, so the answer is a guess:
         an activation needs grad when anything in the model does.
         """
-        if tensor.requires_grad or not guess or not _differentiable(tensor):
+        if tensor.requires_grad or not guess or not differentiable(tensor):
             return tensor.requires_grad
-        if _keys([tensor]) & self._excluded:
+        if self._excluded.holds(tensor):
             return False
         return self._grad_possible
 
@@ -307,33 +202,34 @@ class Session:
             return None
         nested = bool(self._frames)
         grad = self._frames[-1].grad if nested else torch.is_grad_enabled()
-        inputs = _tensors((args, kwargs))
+        call_args, call_kwargs = _as_checkpointed(module, args, kwargs)
+        inputs = tensors((call_args, call_kwargs))
         grads = [self._needs_grad(t, guess=nested) for t in inputs]
-        run_args, run_kwargs, run_inputs = self._copies(args, kwargs, grads)
-        tally = _Tally(self._excluded, inputs=_keys(run_inputs))
-        policy_tally = _Tally(self._excluded | _keys(run_inputs))
+        run_args, run_kwargs, run_inputs = self._copies(call_args, call_kwargs, grads)
+        input_storages = StorageMap.of(run_inputs)
+        tally = Tally(self._excluded, inputs=input_storages)
+        policy_tally = Tally(self._excluded.union(input_storages))
         counter = FlopCounterMode(display=False)
-        watch = contextlib.nullcontext() if self._policy is None else _PolicyTally(self._policy, policy_tally)
         # What a recomputation holds at its highest: saved tensors and temporaries alike.
-        meter = _StorageCounter(_device_of(run_inputs, module).type)
+        meter = _StorageCounter(device_of(run_inputs, module).type)
         self._busy = True
         try:
             # The module's forward alone, skipping its hooks (they ran for the real call);
             # the RNG is put back so the real call draws the same numbers.
             with RngState(self._devices).kept(), torch.set_grad_enabled(grad):
-                with _saving(tally), counter, watch, meter:
+                with saving(tally), counter, policy_watch(self._policy, policy_tally), meter:
                     output = module.forward(*run_args, **run_kwargs)
-            outputs = _tensors(output)
+            outputs = tensors(output)
             out_grads = [t.requires_grad for t in outputs]
             frame = _Frame(nested, grad, out_grads, [tally.holds(t) for t in outputs])
-            record.outputs += _Tally(self._state_keys).add_tensors(outputs).bytes
+            record.outputs += Tally(self._state_storages).add_tensors(outputs).bytes
             del output, outputs
         finally:
             self._busy = False
         record.calls += 1
         record.kept += tally.bytes
         record.outer_kept += 0 if nested else tally.bytes
-        record.inputs += _Tally(self._state_keys).add_tensors(inputs).bytes
+        record.inputs += Tally(self._state_storages).add_tensors(inputs).bytes
         record.flops += counter.get_total_flops()
         record.forward_peak += meter.peak_bytes
         record.policy_saved += policy_tally.bytes
@@ -343,9 +239,9 @@ class Session:
         if not nested:
             # Inputs the module saves stay alive in a real forward, but as no candidate's
             # kept bytes: they belong to the base.
-            hits = tally.input_hits
-            saved = [t for t, copy in zip(inputs, run_inputs) if _keys([copy]) & hits]
-            record.self_saved_inputs += _Tally(self._state_keys).add_tensors(saved).bytes
+            saved = [t for t, copy in zip(inputs, run_inputs) if tally.input_hits.holds(copy)]
+            record.self_saved_inputs += Tally(self._state_storages).add_tensors(saved).bytes
+            # Whether the call continues a chain depends on how the forward really called it.
             self._note_join(record, args, kwargs, saved)
             self._base.add_tensors(saved)
             # Backward reaches this call once everything saved after it is freed.
@@ -383,7 +279,7 @@ class Session:
             else:
                 needs_grad = frame.grad and self._needs_grad(leaf, guess=True)
             index += 1
-            if needs_grad and not leaf.requires_grad and _differentiable(leaf):
+            if needs_grad and not leaf.requires_grad and differentiable(leaf):
                 leaves[position] = leaf.detach().requires_grad_()
         return tree_unflatten(leaves, spec)
 
@@ -407,8 +303,8 @@ class Session:
         def seen_again() -> None:
             record.joins_previous = False
 
-        for storage in (s for tensor in saved for s in _tensor_storages(tensor)):
-            self._base.watched[storage._cdata] = seen_again
+        for storage in (s for tensor in saved for s in tensor_storages(tensor)):
+            self._base.watched[storage] = seen_again
 
     def _hand_over(self, output: torch.Tensor, record: Record) -> None:
         """An output the module saves is in its kept bytes. If what follows saves it too
@@ -419,32 +315,35 @@ class Session:
             record.handed_over += nbytes
             record.outer_kept -= nbytes
 
-        for storage in _tensor_storages(output):
-            self._base.claims.setdefault(storage._cdata, claim)
+        # Keyed by the storage itself, never by a bare address: if nothing saves the output
+        # it is freed, and a later storage at its address must not take the claim.
+        for storage in tensor_storages(output):
+            self._base.claims.setdefault(storage, claim)
 
     def _time_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         record = self._enter(module)
         if record is None:
             return None
-        inputs = _tensors((args, kwargs))
+        args, kwargs = _as_checkpointed(module, args, kwargs)
+        inputs = tensors((args, kwargs))
         index, record.timed = record.timed, record.timed + 1
         grads, grad = [self._needs_grad(t, guess=True) for t in inputs], True
         modes = record.call_modes
         if index < len(modes) and len(modes[index][0]) == len(inputs):
             grads, grad = modes[index]
         run_args, run_kwargs, run_inputs = self._copies(args, kwargs, grads)
-        device = _device_of(run_inputs, module)
+        device = device_of(run_inputs, module)
         self._busy = True
         try:
             with RngState(self._devices).kept(), torch.set_grad_enabled(grad):
                 samples = [
-                    _time_forward(module, run_args, run_kwargs, device)
+                    time_forward(module, run_args, run_kwargs, device)
                     for _ in range(self._repeats)
                 ]
                 replays = samples
                 if self._policy is not None:
                     replays = [
-                        _time_replay(module, run_args, run_kwargs, device, self._policy)
+                        time_replay(module, run_args, run_kwargs, device, self._policy)
                         for _ in range(self._repeats)
                     ]
         finally:
@@ -472,9 +371,9 @@ class Session:
             for position, leaf in enumerate(leaves):
                 if not isinstance(leaf, torch.Tensor):
                     continue
-                needs_grad = next(wanted) and _differentiable(leaf)
+                needs_grad = next(wanted) and differentiable(leaf)
                 copy = leaf.detach()
-                if _keys([leaf]) & self._state_keys:
+                if self._state_storages.holds(leaf):
                     copy.requires_grad_(needs_grad)
                 else:
                     copy = copy.requires_grad_(needs_grad).clone()
@@ -484,82 +383,9 @@ class Session:
         return run_args, run_kwargs, copies
 
 
-class RngState:
-    """The CPU RNG state and that of each accelerator device given, to put back later."""
-
-    def __init__(self, devices: Iterable[torch.device]) -> None:
-        self._cpu = torch.get_rng_state()
-        self._devices = []
-        for device in devices:
-            module = torch.get_device_module(device.type)
-            if hasattr(module, "get_rng_state"):
-                self._devices.append((module, device, module.get_rng_state(device)))
-
-    def restore(self) -> None:
-        torch.set_rng_state(self._cpu)
-        for module, device, state in self._devices:
-            module.set_rng_state(state, device)
-
-    @contextlib.contextmanager
-    def kept(self) -> Iterator[None]:
-        """Run the block, then put the RNG states back as they were before it."""
-        try:
-            yield
-        finally:
-            self.restore()
-
-
-def _device_of(inputs: Sequence[torch.Tensor], module: nn.Module) -> torch.device:
-    """Where the module computes: its first accelerator input, else its first parameter."""
-    for tensor in [*inputs, *module.parameters(), *module.buffers()]:
-        if tensor.device.type != "cpu":
-            return tensor.device
-    return torch.device("cpu")
-
-
-def _time_forward(
-    module: nn.Module, args: Any, kwargs: Dict[str, Any], device: torch.device
-) -> float:
-    """Seconds one ``module.forward`` takes, waiting for the device to finish its work."""
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            output = module.forward(*args, **kwargs)
-            end.record()
-            end.synchronize()
-        # The output lives until here so that freeing its graph is not timed.
-        del output
-        return start.elapsed_time(end) / 1000.0
-    synchronize = _synchronizer(device)
-    synchronize()
-    start_time = time.perf_counter()
-    output = module.forward(*args, **kwargs)
-    synchronize()
-    elapsed = time.perf_counter() - start_time
-    del output
-    return elapsed
-
-
-def _time_replay(
-    module: nn.Module, args: Any, kwargs: Dict[str, Any], device: torch.device, policy: SavePolicy
-) -> float:
-    """Seconds a selective recomputation of ``module`` takes: its forward, with the outputs
-    ``policy`` saves taken from a first, untimed forward instead of computed."""
-    record, replay = create_selective_checkpoint_contexts(policy)
-    with record:
-        output = module.forward(*args, **kwargs)
-    del output
-    with replay:
-        return _time_forward(module, args, kwargs, device)
-
-
-def _synchronizer(device: torch.device) -> Callable[[], None]:
-    """A call that waits for ``device``; a no-op for the CPU and devices that cannot wait."""
-    if device.type in ("cpu", "meta"):
-        return lambda: None
-    synchronize = getattr(getattr(torch, device.type, None), "synchronize", None)
-    if not callable(synchronize):
-        return lambda: None
-    return lambda: synchronize(device)
+def _as_checkpointed(module: nn.Module, args: Any, kwargs: Any) -> Tuple[Any, Any]:
+    """The arguments a checkpointed call of ``module`` gets: a layer that would write a KV
+    cache gets none. The measurement runs the forward besides the real call, so a write
+    there would be a second one, whether the module is later checkpointed or not."""
+    rewritten = cache_free_arguments(module, tuple(args), dict(kwargs))
+    return (args, kwargs) if rewritten is None else rewritten
