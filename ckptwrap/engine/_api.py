@@ -60,8 +60,9 @@ def checkpoint(
         Whatever ``fn`` returns.
 
     Raises:
-        CheckpointConfigError: An option has a value that is not allowed, or the re-entrant
-            engine was given keyword arguments, ``context_fn`` or ``debug``.
+        CheckpointConfigError: ``fn`` is not callable, an option has a value that is not
+            allowed, or the re-entrant engine was given keyword arguments, ``context_fn``
+            or ``debug``.
         CheckpointError: A recomputation did not match its forward, or a re-entrant region
             was reached by ``torch.autograd.grad``.
 
@@ -69,6 +70,12 @@ def checkpoint(
         >>> y = checkpoint(block, x)            # block's activations are not kept
         >>> y.sum().backward()                  # block runs again here
     """
+    if not callable(fn):
+        raise CheckpointConfigError(
+            f"checkpoint's first argument must be callable (the function or module to run), "
+            f"got {_describe(fn)}. Pass the function first and its inputs after it: "
+            f"checkpoint(fn, *args)."
+        )
     _check_options(use_reentrant, preserve_rng_state, context_fn, determinism_check, debug, early_stop)
     if use_reentrant:
         if kwargs:
@@ -186,8 +193,8 @@ def checkpoint_sequential(
         The output of the last stage.
 
     Raises:
-        CheckpointConfigError: ``segments`` is out of range or ``functions`` is empty or
-            not a sequence.
+        CheckpointConfigError: ``segments`` is out of range, or ``functions`` is empty, not
+            a sequence or holds something that is not callable.
 
     Example:
         >>> model = nn.Sequential(*layers)
@@ -231,12 +238,24 @@ def _stages_of(functions: Any) -> list:
         )
     if not stages:
         raise CheckpointConfigError("functions is empty; checkpoint_sequential needs at least one stage.")
-    not_callable = [i for i, stage in enumerate(stages) if not callable(stage)]
+    not_callable = [
+        f"{i}: {_describe(stage)}" for i, stage in enumerate(stages) if not callable(stage)
+    ]
     if not_callable:
         raise CheckpointConfigError(
-            f"every stage must be callable; items at positions {not_callable} are not."
+            f"every stage of checkpoint_sequential must be callable (a module or function); "
+            f"the items at these positions are not: {'; '.join(not_callable)}. Remove them or "
+            f"replace them with modules."
         )
     return stages
+
+
+def _describe(value: Any) -> str:
+    """The type and a short repr of ``value``, for error messages."""
+    text = repr(value)
+    if len(text) > 80:
+        text = text[:77] + "..."
+    return f"{type(value).__name__} {text}"
 
 
 def _as_args(value: Any) -> Tuple[Any, ...]:

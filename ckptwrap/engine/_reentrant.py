@@ -1,12 +1,13 @@
-"""The re-entrant engine: an autograd Function that runs the region without a graph and
-runs it again, with a graph, inside its own backward.
+"""The re-entrant engine: an autograd Function that runs the region keeping no
+activations and runs it again, keeping them, inside its own backward.
 
 Two things differ from torch's re-entrant variant. Tensors nested in lists, dicts,
 dataclasses or any pytree-registered type, in the arguments and in the output, are
 flattened into the Function's inputs and outputs, so they take part in autograd. And
 when no input requires grad, an anchor input that does is added, so that parameters
-used inside the region still receive their gradients (the frozen-embedding trap); the
-outputs require grad exactly when the region touched a tensor that does.
+used inside the region still receive their gradients (the frozen-embedding trap). The
+forward runs with autograd on but keeps no saved tensors, so each output requires grad
+exactly when it does in the plain run.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
-from torch.overrides import TorchFunctionMode
+from torch.autograd.graph import saved_tensors_hooks
 
 from .._errors import CheckpointError
 from . import _device, _state, _tree
@@ -69,24 +70,18 @@ class _ReentrantRegion(torch.autograd.Function):
         # The forward gets the caller's own objects, so side effects on containers passed
         # in (auxiliary-loss lists, caches) reach the caller; only recomputation rebuilds them.
         args, region.original_args = region.original_args, ()
-        with torch.no_grad():
-            if region.has_anchor:
-                with _GradUseDetector() as detector:
-                    output = region.fn(*args)
-                uses_grad = detector.found
-            else:
-                output = region.fn(*args)
-                uses_grad = True
+        # Autograd on, as in the plain run and the recomputation, so that autograd itself
+        # says which outputs depend on a tensor that requires grad (inputs, parameters,
+        # anything reached inside). The hooks drop every tensor the graph would save, so
+        # the forward keeps no activations; the graph is cut from the outputs below.
+        with torch.enable_grad(), saved_tensors_hooks(_drop, _dropped):
+            output = region.fn(*args)
         leaves, region.out_spec = _tree.flatten(output)
         out_tensors, region.out_leaves = _split(leaves)
-        ctx.mark_non_differentiable(
-            *[
-                t
-                for t in out_tensors
-                if not uses_grad or not (t.is_floating_point() or t.is_complex())
-            ]
-        )
-        return tuple(out_tensors)
+        constant = [not t.requires_grad for t in out_tensors]
+        returned = _cut_from_graph(out_tensors, inputs)
+        ctx.mark_non_differentiable(*[t for t, c in zip(returned, constant) if c])
+        return tuple(returned)
 
     @staticmethod
     def backward(ctx: Any, *grads: Optional[torch.Tensor]):  # type: ignore[override]
@@ -121,41 +116,43 @@ class _ReentrantRegion(torch.autograd.Function):
         return (None, None) + input_grads + anchor_grad
 
 
-class _GradUseDetector(TorchFunctionMode):
-    """Notices whether any torch call in the region touches a tensor that requires grad.
-
-    Only runs when no input requires grad, so the cost falls on the rare first region
-    behind a frozen embedding, not on every region.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.found = False
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if not self.found and not _is_inert(func):
-            self.found = _any_requires_grad(args) or _any_requires_grad(kwargs.values())
-        return func(*args, **kwargs)
+def _drop(tensor: torch.Tensor) -> None:
+    """Keeps nothing of a tensor the forward's graph would save."""
+    return None
 
 
-_INERT = (torch.Tensor.detach, torch.Tensor.detach_, torch.Tensor.requires_grad_)
+def _dropped(_: None) -> torch.Tensor:
+    raise CheckpointError(
+        "Backward reached a tensor computed in the forward of a region checkpointed with "
+        "use_reentrant=True other than through the region's outputs. That forward keeps no "
+        "activations, so only what the region returns can be differentiated; a tensor that "
+        "leaves it another way (appended to a list, stored on a module) or a backward run "
+        "inside the region cannot. Return the tensor from the region, detach it, or "
+        "checkpoint with use_reentrant=False."
+    )
 
 
-def _is_inert(func: Any) -> bool:
-    """Calls that touch a tensor without making anything depend on it differentiably:
-    detaching it, or reading an attribute such as ``.shape`` or ``.data``."""
-    return func in _INERT or getattr(func, "__name__", "") == "__get__"
-
-
-def _any_requires_grad(values: Any) -> bool:
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            if value.requires_grad:
-                return True
-        elif isinstance(value, (list, tuple)) and _any_requires_grad(value):
-            return True
-    return False
+def _cut_from_graph(
+    out_tensors: List[torch.Tensor], inputs: Tuple[torch.Tensor, ...]
+) -> List[torch.Tensor]:
+    """The outputs to hand to autograd: inputs as they are, everything else without the
+    graph the forward built (the Function's own node takes its place)."""
+    input_ids = {id(t) for t in inputs}
+    done: dict = {}
+    returned = []
+    for tensor in out_tensors:
+        key = id(tensor)
+        if key not in done:
+            if key in input_ids or (tensor.grad_fn is None and not tensor.requires_grad):
+                done[key] = tensor
+            elif tensor.grad_fn is not None and not tensor._is_view():
+                # In place, so a reference the region kept elsewhere (a cache) stays the
+                # very object returned, as in a forward run without autograd.
+                done[key] = tensor.detach_()
+            else:
+                done[key] = tensor.detach()  # a view, or a leaf such as a parameter
+        returned.append(done[key])
+    return returned
 
 
 def run_reentrant(fn: Callable[..., Any], args: Tuple[Any, ...], *, preserve_rng_state: bool) -> Any:
@@ -166,8 +163,8 @@ def run_reentrant(fn: Callable[..., Any], args: Tuple[Any, ...], *, preserve_rng
     region.original_args = args
     if not any(t.requires_grad for t in tensors):
         # The region may still use parameters that require grad; an anchor input that
-        # requires grad lets their gradients flow. If the forward touches none, the
-        # outputs are marked non-differentiable, as they would be without checkpointing.
+        # requires grad lets their gradients flow. Outputs that depend on none of them
+        # are still marked non-differentiable by the forward.
         region.has_anchor = True
         tensors.append(torch.empty((), requires_grad=True))
     out_tensors = _ReentrantRegion.apply(region, preserve_rng_state, *tensors)

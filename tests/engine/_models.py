@@ -82,6 +82,19 @@ def assert_same(actual: Dict[str, Any], expected: Dict[str, Any], what: str = ""
         assert torch.equal(a, e), f"{what}: {name} differs, max abs diff {(a.double() - e.double()).abs().max().item()}"
 
 
+def assert_close_to_rounding(actual: Dict[str, Any], expected: Dict[str, Any], what: str = "") -> None:
+    """Same keys, and float32 tensors equal up to the rounding of summing a few gradient
+    parts in another order: a few units in the last place, relative to each tensor's size."""
+    assert actual.keys() == expected.keys(), f"{what}: keys differ {actual.keys()} vs {expected.keys()}"
+    for name in expected:
+        a, e = actual[name], expected[name]
+        if e is None or a is None:
+            assert a is None and e is None, f"{what}: {name} is {a!r}, expected {e!r}"
+            continue
+        scale = max(e.abs().max().item(), 1.0)
+        torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-7 * scale, msg=lambda m: f"{what}: {name}: {m}")
+
+
 def grads_of(named: Dict[str, torch.Tensor]) -> Dict[str, Optional[torch.Tensor]]:
     return {name: (t.grad.clone() if t.grad is not None else None) for name, t in named.items()}
 

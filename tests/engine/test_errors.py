@@ -134,3 +134,24 @@ def test_set_checkpoint_early_stop_rejects_non_bool():
         with ckptwrap.set_checkpoint_early_stop("maybe"):
             pass
     assert isinstance(info.value, ckptwrap.CheckpointError)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+@pytest.mark.parametrize("grad_on", [True, False], ids=["grad", "no_grad"])
+@pytest.mark.parametrize(
+    "fn, named",
+    [(5, r"int.*\b5\b"), ("model", r"str.*'model'"), (torch.ones(2), r"Tensor.*tensor\(\[1\., 1\.\]\)")],
+    ids=["int", "str", "tensor"],
+)
+def test_non_callable_function_names_what_was_passed(fn, named, grad_on, use_reentrant):
+    x = _input()
+    with torch.set_grad_enabled(grad_on), pytest.raises(ValueError, match=rf"(?s)first argument.*callable.*{named}") as info:
+        ckptwrap.checkpoint(fn, x, use_reentrant=use_reentrant)
+    assert isinstance(info.value, ckptwrap.CheckpointError)
+
+
+def test_checkpoint_sequential_names_the_stages_that_are_not_callable():
+    stages = [torch.nn.Linear(3, 3), 5, torch.nn.ReLU(), "relu"]
+    with pytest.raises(ValueError, match=r"(?s)callable.*\b1\b.*int.*\b5\b.*\b3\b.*str.*'relu'") as info:
+        ckptwrap.checkpoint_sequential(stages, 2, _input())
+    assert isinstance(info.value, ckptwrap.CheckpointError)

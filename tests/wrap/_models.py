@@ -183,6 +183,19 @@ def assert_same(actual: Dict[str, Any], expected: Dict[str, Any], what: str = ""
         assert torch.equal(a, e), f"{what}: {name} differs by {(a.double() - e.double()).abs().max().item()}"
 
 
+def assert_close_to_rounding(actual: Dict[str, Any], expected: Dict[str, Any], what: str = "") -> None:
+    """Same keys, and float32 tensors equal up to the rounding of summing a few gradient
+    parts in another order: a few units in the last place, relative to each tensor's size."""
+    assert list(actual) == list(expected), f"{what}: keys differ"
+    for name, e in expected.items():
+        a = actual[name]
+        if a is None or e is None:
+            assert a is None and e is None, f"{what}: {name} is {a!r}, expected {e!r}"
+            continue
+        scale = max(e.abs().max().item(), 1.0)
+        torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-7 * scale, msg=lambda m: f"{what}: {name}: {m}")
+
+
 def structure(model: nn.Module) -> Dict[str, Any]:
     """Everything ``wrap_model`` promises to leave alone, in comparable form."""
     return {

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any, List, Tuple
 
+import pytest
 import torch
-from hypothesis import event, given, settings
+import torch.utils.checkpoint as torch_checkpoint
+from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 from ckptwrap import plan, unwrap_model, wrap_model
 from ckptwrap.policy import find_blocks
 
-from ._models import assert_same, grads, marked
+from ._models import assert_close_to_rounding, assert_same, grads, marked
 
 WIDTH = 6
 
@@ -187,8 +190,21 @@ def test_wrap_then_unwrap_leaves_everything_as_it_was(case, options):
         assert torch.equal(model(_input()), out_before)
 
 
+def _residual_inside_and_outside() -> Tuple[Any, Any, nn.Module]:
+    """The region is a residual's body that holds a residual of its own, so the region's
+    input gets gradient from outside (the outer sum) and twice from inside."""
+    spec = ("seq", [("residual", [("residual", ["dropout"]), "gelu", "gelu"]), "linear"])
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return spec, "name:0.body", _build(spec)
+
+
+# torch's re-entrant variant warns when a nested region's forward runs under the outer's no_grad.
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
 @settings(deadline=None)  # example count from the profile in tests/conftest.py
 @given(case=model_and_policy(), options=OPTIONS)
+@example(case=_residual_inside_and_outside(), options={"use_reentrant": True, "nested": False})
+@example(case=_residual_inside_and_outside(), options={"use_reentrant": False, "nested": False})
 def test_gradients_of_the_wrapped_model_equal_the_unwrapped_one(case, options):
     spec, policy, plain = case
     wrapped = copy.deepcopy(plain)
@@ -204,5 +220,27 @@ def test_gradients_of_the_wrapped_model_equal_the_unwrapped_one(case, options):
     out_plain, x_grad_plain = _run(plain)
     out_wrapped, x_grad_wrapped = _run(wrapped)
     assert torch.equal(out_wrapped, out_plain)
-    assert torch.equal(x_grad_wrapped, x_grad_plain)
-    assert_same(grads(wrapped), grads(plain), f"gradients with policy {policy!r}")
+    ours = {"input": x_grad_wrapped} | grads(wrapped)
+    expected = {"input": x_grad_plain} | grads(plain)
+    what = f"gradients with policy {policy!r}"
+    if not options["use_reentrant"]:
+        assert_same(ours, expected, what)
+        return
+    # Each re-entrant region's backward is a pass of its own, so a tensor that gets
+    # gradient from inside and outside a region (a residual input) has its parts summed
+    # in another order: bit for bit as torch's re-entrant variant, to rounding as plain.
+    reference = _with_torch_reentrant(copy.deepcopy(plain), applied.names)
+    out_reference, x_grad_reference = _run(reference)
+    assert torch.equal(out_wrapped, out_reference)
+    assert_same(ours, {"input": x_grad_reference} | grads(reference), f"{what}, vs torch")
+    assert_close_to_rounding(ours, expected, f"{what}, vs plain")
+
+
+def _with_torch_reentrant(model: nn.Module, names: List[str]) -> nn.Module:
+    """``model`` with the modules ``names`` run through torch's re-entrant checkpoint."""
+    modules = dict(model.named_modules())
+    for name in names:
+        module = modules[name]
+        forward = functools.partial(type(module).forward, module)
+        module.forward = functools.partial(torch_checkpoint.checkpoint, forward, use_reentrant=True)
+    return model
