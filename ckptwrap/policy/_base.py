@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, FrozenSet, List, Sequence, Tuple
+from typing import Any, Callable, FrozenSet, List, Sequence, Tuple
 
 from torch import nn
 
@@ -249,11 +249,30 @@ class Complement(Policy):
         return frozenset(candidates) - self.inner._pick(candidates)
 
 
-def _coerce(other: Any) -> Policy:
-    # Imported here: the grammar builds on the terms, which build on this module.
-    from ._grammar import as_policy
+def _policies_only(other: Any) -> Policy:
+    if isinstance(other, Policy):
+        return other
+    raise CheckpointConfigError(
+        f"cannot combine a policy with {type(other).__name__} {other!r:.60}: no converter "
+        f"for other forms is installed; import ckptwrap.policy, or pass a Policy"
+    )
 
-    return as_policy(other)
+
+# How the operators turn their other operand (a string, a class, a predicate) into a
+# policy. The grammar knows every form, and builds on the terms, which build on this
+# module; so rather than import it (a circle), this module lets the grammar install
+# as_policy here when it is imported, which importing the package always does.
+_operand_to_policy: Callable[[Any], Policy] = _policies_only
+
+
+def _install_operand_converter(convert: Callable[[Any], Policy]) -> None:
+    """Make ``convert`` turn the non-Policy operands of ``&`` and ``|`` into policies."""
+    global _operand_to_policy
+    _operand_to_policy = convert
+
+
+def _coerce(other: Any) -> Policy:
+    return _operand_to_policy(other)
 
 
 def _split(policy: Policy) -> Tuple[Tuple[Policy, ...], Tuple[Policy, ...]]:

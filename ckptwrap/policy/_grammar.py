@@ -8,14 +8,14 @@ import dataclasses
 import difflib
 import functools
 import operator
-import re
 from typing import Any, Callable, Dict, Optional
 
 from torch import nn
 
 from .._errors import CheckpointConfigError
-from ._base import Policy, _PolicyNotImplemented
+from ._base import Policy, _install_operand_converter, _PolicyNotImplemented
 from ._modifiers import Budget, Offload, Selective
+from ._numbers import abbreviate, check_fraction, parse_count, parse_decimal
 from ._terms import (
     All,
     Blocks,
@@ -31,9 +31,6 @@ from ._terms import (
 )
 
 __all__ = ["as_policy", "parse_policy"]
-
-_WHOLE_NUMBER = re.compile(r"[0-9]+")
-_DECIMAL = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
 
 _ALLOWED_FORMS = (
     "a policy string such as 'blocks' or 'type:GPT2Block;last:6', an nn.Module subclass, "
@@ -61,23 +58,20 @@ class _Syntax:
 
 def _count(term: str, letter: str, make: Callable[[int], Policy]) -> Callable[[str], Policy]:
     def build(value: str) -> Policy:
-        if not _WHOLE_NUMBER.fullmatch(value):
-            raise CheckpointConfigError(
-                f"{term}:{value} is malformed: {letter} must be a whole number >= 1, "
-                f"such as {term}:2"
-            )
-        return make(int(value))
+        return make(parse_count(term, letter, value))
 
     return build
 
 
 def _fraction(value: str) -> Policy:
-    if not _DECIMAL.fullmatch(value):
+    try:
+        exact = parse_decimal(value)
+    except ValueError:
         raise CheckpointConfigError(
-            f"fraction:{value} is malformed: P must be a decimal number with 0 < P <= 1, "
-            f"such as fraction:0.5"
-        )
-    return Fraction(float(value))
+            f"fraction:{abbreviate(value)} is malformed: P must be a decimal number with "
+            f"0 < P <= 1, such as fraction:0.5"
+        ) from None
+    return Fraction(check_fraction(exact, shown=abbreviate(value)))
 
 
 def _type(value: str) -> Policy:
@@ -149,7 +143,7 @@ def parse_policy(spec: str) -> Policy:
     except _PolicyNotImplemented:
         raise
     except CheckpointConfigError as error:
-        raise CheckpointConfigError(f"in policy {spec!r}: {error}") from None
+        raise CheckpointConfigError(f"in policy {abbreviate(repr(spec))}: {error}") from None
     return functools.reduce(operator.and_, terms)
 
 
@@ -225,3 +219,7 @@ def _parse_term(text: str) -> Policy:
 def _suggest(keyword: str) -> str:
     close = difflib.get_close_matches(keyword.lower(), list(_SYNTAX), n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+# The operators of Policy accept every form as_policy does (see _base).
+_install_operand_converter(as_policy)

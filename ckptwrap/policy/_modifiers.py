@@ -10,11 +10,16 @@ modules.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Optional, Tuple
 
 from .._errors import CheckpointConfigError
 from ._base import Intersection, Names, Policy, _Picker
+from ._numbers import MAX_BYTES, abbreviate, parse_decimal
+from ._ops import resolve_ops
+from ._solver import PercentBudget
+from ._terms import Blocks
 
 __all__ = [
     "Budget",
@@ -64,30 +69,49 @@ class Budget(_Modifier):
         return f"budget:{self.amount}"
 
     def parsed(self) -> Tuple[Optional[float], Optional[int]]:
-        """(fraction of the un-checkpointed activation memory, None) or (None, bytes)."""
-        match = _AMOUNT.fullmatch(str(self.amount).strip())
+        """(fraction of the un-checkpointed activation memory, None) or (None, bytes).
+
+        Raises:
+            CheckpointConfigError: If the amount is malformed, or out of range: a
+                percentage must lie in (0, 100], an amount in bytes (rounded down to a
+                whole byte) from 1 B to :data:`MAX_BYTES`.
+        """
+        text = str(self.amount).strip()
+        match = _AMOUNT.fullmatch(text)
         unit = match.group(2).upper() if match else ""
-        if match and unit == "%":
-            percent = float(match.group(1))
-            if 0 < percent <= 100:
-                return percent / 100, None
+        if not match or (unit != "%" and unit not in _UNITS):
             raise CheckpointConfigError(
-                f"budget:{self.amount} is out of range: a percentage must be in (0, 100]"
+                f"budget:{abbreviate(text)} is malformed: write a percentage of the "
+                f"un-checkpointed activation memory such as budget:40%, or an amount such as "
+                f"budget:512MiB or budget:2GiB (units: {', '.join(_unit_names())})"
             )
-        if match and unit in _UNITS:
-            amount = int(float(match.group(1)) * _UNITS[unit])
-            if amount > 0:
-                return None, amount
+        # Exact arithmetic: a float of hundreds of digits would overflow to infinity.
+        value = parse_decimal(match.group(1))
+        if unit == "%":
+            if 0 < value <= 100:
+                return float(value) / 100, None
+            raise CheckpointConfigError(
+                f"budget:{abbreviate(text)} is out of range: a percentage must be in (0, 100], "
+                f"such as budget:40%"
+            )
+        amount = math.floor(value * _UNITS[unit])
+        if 1 <= amount <= MAX_BYTES:
+            return None, amount
         raise CheckpointConfigError(
-            f"budget:{self.amount} is malformed: write a percentage of the un-checkpointed "
-            f"activation memory such as budget:40%, or an amount such as budget:512MiB or "
-            f"budget:2GiB (units: {', '.join(_unit_names())})"
+            f"budget:{abbreviate(text)} is out of range: an amount must be from 1 B to "
+            f"{MAX_BYTES} B (8 EiB), such as budget:512MiB"
         )
 
     def resolve(self, activation_bytes: int) -> int:
-        """The budget in bytes, given the un-checkpointed activation memory."""
+        """The budget in bytes, given the un-checkpointed activation memory.
+
+        A percentage resolves to a :class:`PercentBudget`, an int that remembers it, so
+        that a budget below reach is reported in percent too.
+        """
         fraction, amount = self.parsed()
-        return int(fraction * activation_bytes) if fraction is not None else int(amount)
+        if fraction is None:
+            return int(amount)  # type: ignore[arg-type]
+        return PercentBudget(fraction, activation_bytes, of="the un-checkpointed activation memory")
 
 
 def _unit_names() -> Tuple[str, ...]:
@@ -106,8 +130,6 @@ class Selective(_Modifier):
         object.__setattr__(self, "ops", tuple(self.ops))
         if not self.ops:
             raise CheckpointConfigError("selective: needs at least one operator name, e.g. selective:mm")
-        from ._ops import resolve_ops
-
         resolve_ops(self.ops)  # unknown operator names are reported now
 
     def describe(self) -> str:
@@ -136,8 +158,6 @@ def split_modifiers(policy: Policy) -> Tuple[Policy, Optional[Budget], Optional[
         CheckpointConfigError: A modifier appears inside ``|`` or ``~``, appears twice,
             or ``selective`` is combined with ``offload``.
     """
-    from ._terms import Blocks
-
     if isinstance(policy, _Modifier):
         parts_sets, parts_pickers = (), (policy,)
     elif isinstance(policy, Intersection):

@@ -10,7 +10,6 @@ import dataclasses
 import difflib
 import fnmatch
 import inspect
-import math
 from typing import Any, Callable, List, Tuple
 
 from torch import nn
@@ -18,6 +17,7 @@ from torch import nn
 from .._errors import CheckpointConfigError
 from ._base import Names, _Picker, _SetTerm
 from ._index import _ModelIndex, _NoMatch
+from ._numbers import check_count, check_fraction
 
 __all__ = [
     "All",
@@ -255,7 +255,7 @@ class Every(_Picker):
     """The step, at least 1."""
 
     def __post_init__(self) -> None:
-        _check_count("every", "N", self.n)
+        object.__setattr__(self, "n", check_count("every", "N", self.n))
 
     def describe(self) -> str:
         return f"every:{self.n}"
@@ -272,7 +272,7 @@ class First(_Picker):
     """How many, at least 1."""
 
     def __post_init__(self) -> None:
-        _check_count("first", "K", self.k)
+        object.__setattr__(self, "k", check_count("first", "K", self.k))
 
     def describe(self) -> str:
         return f"first:{self.k}"
@@ -289,7 +289,7 @@ class Last(_Picker):
     """How many, at least 1."""
 
     def __post_init__(self) -> None:
-        _check_count("last", "K", self.k)
+        object.__setattr__(self, "k", check_count("last", "K", self.k))
 
     def describe(self) -> str:
         return f"last:{self.k}"
@@ -312,17 +312,7 @@ class Fraction(_Picker):
     """The fraction, 0 < P <= 1."""
 
     def __post_init__(self) -> None:
-        p = self.p
-        if (
-            isinstance(p, bool)
-            or not isinstance(p, (int, float))
-            or not math.isfinite(p)
-            or not 0 < p <= 1
-        ):
-            raise CheckpointConfigError(
-                f"fraction:P takes a number with 0 < P <= 1, such as fraction:0.5; got {p!r}"
-            )
-        object.__setattr__(self, "p", float(p))
+        object.__setattr__(self, "p", check_fraction(self.p))
 
     def describe(self) -> str:
         return f"fraction:{self.p!r}"
@@ -342,13 +332,6 @@ def _holds_something(module: nn.Module) -> bool:
     return (
         next(module.parameters(), None) is not None or next(module.children(), None) is not None
     )
-
-
-def _check_count(term: str, letter: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise CheckpointConfigError(
-            f"{term}:{letter} takes a whole number {letter} >= 1, such as {term}:2; got {value!r}"
-        )
 
 
 def _check_signature(fn: Callable[..., Any]) -> None:
