@@ -7,7 +7,8 @@ The ``blocks`` policy term rests on it, and so does every picker term (``every``
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Sequence, Set, Tuple
+import sys
+from typing import Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
 
 from torch import nn
 from torch.nn.parameter import is_lazy
@@ -18,6 +19,11 @@ __all__ = ["find_blocks"]
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential)
 
+# Where Hugging Face transformers keeps the base class of the layers that its own gradient
+# checkpointing checkpoints; read from sys.modules only, never imported on our account.
+_HF_LAYERS_MODULE = "transformers.modeling_layers"
+_HF_LAYER_CLASS = "GradientCheckpointingLayer"
+
 NamedModules = Sequence[Tuple[str, nn.Module]]
 
 
@@ -25,8 +31,6 @@ NamedModules = Sequence[Tuple[str, nn.Module]]
 class _Group:
     """Two or more direct children of one container that share a class."""
 
-    container: str
-    """Qualified name of the ``nn.ModuleList`` or ``nn.Sequential`` ("" for the root)."""
     cls: type
     """The class the members share."""
     members: Tuple[str, ...]
@@ -37,25 +41,41 @@ def find_blocks(model: nn.Module) -> List[str]:
     """Find the repeated blocks of a model: what the ``blocks`` policy term selects.
 
     A *group* is a class that appears two or more times among the direct children of one
-    ``nn.ModuleList`` or ``nn.Sequential`` (the model itself counts if it is one). Groups
-    inside a member of another group are ignored, so the outermost repetition wins: the
-    ``Linear`` layers in each transformer block's MLP do not compete with the blocks.
-    Of the remaining groups, the class with the most members in all wins; ties go to the
-    class with more parameters per module, then to the class that appears first.
+    ``nn.ModuleList`` or ``nn.Sequential`` (the model itself counts if it is one). A
+    *block* is a member of a group that has submodules of its own: a layer built of
+    layers, such as a transformer layer or a residual block. Every block family is
+    selected, not only the most frequent one, so an encoder-decoder model gets both its
+    encoder and its decoder layers. Where blocks nest, the outermost are kept: the
+    ``Sequential`` MLP inside each transformer layer is part of the layer. Repeated
+    modules without submodules (``Linear`` heads, ``Dropout``, activations) are single
+    operators, not blocks: checkpointing one saves little and costs a recomputation.
+
+    Hugging Face models declare the layers that transformers' own gradient checkpointing
+    checkpoints (instances of its ``GradientCheckpointingLayer``): each of them is a block,
+    repeated or not, and where they nest (Swin's stages hold its layers) the innermost
+    are kept, since checkpointing only the outer ones would hold a whole stage's
+    activations at once during its recomputation. A repeated block that holds declared
+    layers gives way to them, and one inside a kept declared layer is part of it. transformers is never imported here:
+    the class is looked up only if the model's library has loaded it.
+
+    A model whose only repetition is of modules without submodules (a plain
+    ``nn.Sequential`` MLP) has no blocks in that sense; there the members of the class
+    with the most members in all are selected, ties going to the class with more
+    parameters per module, then to the class that appears first.
 
     Args:
         model: The model to search.
 
     Returns:
-        Qualified names of every member of every group of the winning class, in the
-        order of ``model.named_modules()``; empty if nothing repeats.
+        Qualified names of the selected modules, in the order of ``model.named_modules()``;
+        empty if nothing repeats and the model declares no layers.
 
     Raises:
         CheckpointConfigError: If ``model`` is not an ``nn.Module``.
 
     Example:
-        >>> find_blocks(gpt2)  # doctest: +SKIP
-        ['transformer.h.0', 'transformer.h.1', ..., 'transformer.h.11']
+        >>> find_blocks(bart)  # doctest: +SKIP
+        ['model.encoder.layers.0', ..., 'model.decoder.layers.0', ...]
     """
     if not isinstance(model, nn.Module):
         raise CheckpointConfigError(
@@ -74,24 +94,26 @@ def _detect_blocks(named: NamedModules) -> Tuple[str, ...]:
         if isinstance(module, _CONTAINERS)
         for group in _groups_in(name, module, position)
     ]
-    members_of_any_group = {member for group in groups for member in group.members}
-    outermost = [g for g in groups if not _inside_any(g.container, members_of_any_group)]
-    if not outermost:
-        return ()
-
-    by_class: Dict[type, List[_Group]] = {}
-    for group in outermost:
-        by_class.setdefault(group.cls, []).append(group)
-
-    def rank(cls: type) -> Tuple[int, float, int]:
-        members = [m for g in by_class[cls] for m in g.members]
-        per_module = sum(_parameter_count(modules[m]) for m in members) / len(members)
-        first = min(position[m] for m in members)
-        return (-len(members), -per_module, first)
-
-    winner = min(by_class, key=rank)
-    members = [m for g in by_class[winner] for m in g.members]
-    return tuple(sorted(members, key=position.__getitem__))
+    declared = _declared_layers(named)
+    holding_declared = {ancestor for name in declared for ancestor in _ancestors(name)}
+    # Where transformers' layers nest (Swin's stages hold its layers), transformers nests
+    # their checkpoints. A recomputed region holds all its activations at once, so the
+    # outer layers alone would keep a whole stage's; the inner ones bound the peak as the
+    # nested checkpoints do, with one recomputation instead of two.
+    innermost = declared - holding_declared
+    repeated = {
+        member
+        for group in groups
+        for member in group.members
+        if _has_submodules(modules[member])
+        # The declared layers decide inside and around themselves.
+        and member not in holding_declared
+        and not any(ancestor in innermost for ancestor in _ancestors(member))
+    }
+    blocks = innermost | _outermost(repeated)
+    if blocks:
+        return tuple(sorted(blocks, key=position.__getitem__))
+    return _most_frequent_class(groups, modules, position)
 
 
 def _groups_in(name: str, container: nn.Module, position: Dict[str, int]) -> List[_Group]:
@@ -105,16 +127,66 @@ def _groups_in(name: str, container: nn.Module, position: Dict[str, int]) -> Lis
         if qualified in position:
             by_class.setdefault(type(child), []).append(qualified)
     return [
-        _Group(container=name, cls=cls, members=tuple(members))
+        _Group(cls=cls, members=tuple(members))
         for cls, members in by_class.items()
         if len(members) >= 2
     ]
 
 
-def _inside_any(name: str, members: Set[str]) -> bool:
-    """Whether the module ``name`` is one of ``members`` or lies inside one of them."""
-    parts = name.split(".") if name else []
-    return any(".".join(parts[: i + 1]) in members for i in range(len(parts)))
+def _declared_layers(named: NamedModules) -> Set[str]:
+    """Non-root modules that transformers' own gradient checkpointing would checkpoint."""
+    layer_class = _hf_layer_class()
+    if layer_class is None:
+        return set()
+    return {name for name, module in named if name and isinstance(module, layer_class)}
+
+
+def _hf_layer_class() -> Optional[type]:
+    # A model built by transformers has imported this module already; if it is absent,
+    # no module can be an instance of the class, and importing it would cost seconds.
+    layers = sys.modules.get(_HF_LAYERS_MODULE)
+    layer_class = getattr(layers, _HF_LAYER_CLASS, None)
+    return layer_class if isinstance(layer_class, type) else None
+
+
+def _outermost(names: Set[str]) -> FrozenSet[str]:
+    """``names`` without those that lie inside another of them."""
+    return frozenset(
+        name for name in names if not any(ancestor in names for ancestor in _ancestors(name))
+    )
+
+
+def _most_frequent_class(
+    groups: List[_Group], modules: Dict[str, nn.Module], position: Dict[str, int]
+) -> Tuple[str, ...]:
+    """Members of the class with the most members in all, for models without blocks.
+
+    Only called when no group member has submodules, so no group lies inside another.
+    """
+    if not groups:
+        return ()
+    by_class: Dict[type, List[str]] = {}
+    for group in groups:
+        by_class.setdefault(group.cls, []).extend(group.members)
+
+    def rank(cls: type) -> Tuple[int, float, int]:
+        members = by_class[cls]
+        per_module = sum(_parameter_count(modules[m]) for m in members) / len(members)
+        first = min(position[m] for m in members)
+        return (-len(members), -per_module, first)
+
+    winner = min(by_class, key=rank)
+    return tuple(sorted(by_class[winner], key=position.__getitem__))
+
+
+def _ancestors(name: str) -> List[str]:
+    """Qualified names of the modules that hold ``name``, root excluded."""
+    parts = name.split(".")
+    return [".".join(parts[:i]) for i in range(1, len(parts))]
+
+
+def _has_submodules(module: nn.Module) -> bool:
+    return next(module.children(), None) is not None
 
 
 def _parameter_count(module: nn.Module) -> int:

@@ -207,18 +207,28 @@ def test_complement_of_a_term_is_the_rest(tree, data):
 
 @settings(max_examples=_EXAMPLES, deadline=None)
 @given(tree=_trees | _roots)
-def test_blocks_are_outermost_repetitions_of_one_class(tree):
+def test_blocks_are_the_outermost_repeated_modules_with_submodules(tree):
     model = build(tree)
     blocks = find_blocks(model)
     names = module_names(model)
     assert blocks == [n for n in names if n in set(blocks)]
     assert find_blocks(copy.deepcopy(model)) == blocks
     modules = dict(model.named_modules())
-    assert len({type(modules[b]) for b in blocks}) <= 1
-    for block in blocks:
-        parent_name, _, key = block.rpartition(".")
+
+    def repeated(name):
+        parent_name, _, _ = name.rpartition(".")
         parent = modules[parent_name]
-        assert isinstance(parent, (nn.ModuleList, nn.Sequential))
-        siblings = [c for _, c in parent.named_children() if type(c) is type(modules[block])]
-        assert len(siblings) >= 2
-        assert not any(block.startswith(other + ".") for other in blocks)
+        prefix = parent_name + "." if parent_name else ""
+        siblings = [
+            key for key, child in parent.named_children()
+            if type(child) is type(modules[name]) and prefix + key in modules
+        ]
+        return isinstance(parent, (nn.ModuleList, nn.Sequential)) and len(siblings) >= 2
+
+    built_of_modules = [n for n in names if repeated(n) and list(modules[n].children())]
+    outermost = [n for n in built_of_modules if not any(n.startswith(o + ".") for o in built_of_modules)]
+    if outermost:
+        assert blocks == outermost
+    else:  # only modules without submodules repeat: those of one class stand in
+        assert all(repeated(b) for b in blocks)
+        assert len({type(modules[b]) for b in blocks}) <= 1
