@@ -8,6 +8,7 @@ from ._errors import CheckpointError
 from .engine import checkpoint, checkpoint_sequential, is_recomputing, set_checkpoint_early_stop
 from .diagnostics import doctor
 from .wrap import CheckpointWrapper, checkpointed, disabled, plan, unwrap_model, wrap_model
+from . import config  # noqa: F401  (a submodule, so that ckptwrap.config.* works after import ckptwrap)
 
 __all__ = [
     "CheckpointError",

@@ -10,13 +10,13 @@ import dataclasses
 import functools
 import math
 import operator
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from ._errors import CheckpointConfigError
-from .measure import profile_modules
+from .measure import ModelProfile, profile_modules
 from .policy import Blocks, Intersection, Policy, as_policy, split_modifiers
 from .policy._solver import CostItem, predicted_peak, smallest_reachable_peak, solve_budget
 from .wrap._costs import forward_items
@@ -48,6 +48,7 @@ def pareto_points(
     chosen: Sequence[str] = (),
     *,
     nested: bool = False,
+    profile: Optional[ModelProfile] = None,
 ) -> Tuple[List[Point], List[Point]]:
     """Profile the candidates once and place the budget frontier and fixed policies on it.
 
@@ -59,22 +60,30 @@ def pareto_points(
         chosen: Qualified names a plan of ``policy`` selected: one more point when they
             are all candidates and differ from every reference point's.
         nested: As for :func:`ckptwrap.plan`.
+        profile: A profile already measured on ``inputs`` that covers every candidate
+            (the one a plan was made from, so that the drawing and the plan agree); the
+            candidates are profiled here when it is None.
 
     Returns:
         The frontier (see :func:`frontier`) and the points of :func:`reference_points`,
         followed by that of ``chosen``.
 
     Raises:
-        CheckpointConfigError: If the policy is malformed or leaves no candidates.
+        CheckpointConfigError: If the policy is malformed or leaves no candidates, or
+            ``profile`` lacks some of them.
     """
     candidates = _candidate_policy(as_policy(policy))
-    names = plan(model, candidates, nested=nested).names
-    if not names:
-        raise CheckpointConfigError(
-            f"policy {policy!r} leaves no candidates in {type(model).__name__} to draw a "
-            f"frontier over; give a policy whose set terms select some modules"
-        )
-    profile = profile_modules(model, names, inputs)
+    names = frontier_candidates(model, policy, nested=nested)
+    if profile is None:
+        profile = profile_modules(model, names, inputs)
+    else:
+        absent = [name for name in names if name not in profile]
+        if absent:
+            raise CheckpointConfigError(
+                f"the given profile lacks {len(absent)} of the {len(names)} candidates of "
+                f"{policy!r} ({', '.join(absent[:3])}); pass a profile of all of them, or none "
+                f"to profile here"
+            )
     ordered = forward_items(profile, names, segments=True)
     names = [name for name, _ in ordered]
     items = [item for _, item in ordered]
@@ -86,6 +95,21 @@ def pareto_points(
         if all(own.names != other.names for other in references):
             references.append(own)
     return frontier(items, base=base), references
+
+
+def frontier_candidates(model: nn.Module, policy: str, *, nested: bool = False) -> List[str]:
+    """The qualified names a frontier of ``policy`` chooses among (see :func:`pareto_points`).
+
+    Raises:
+        CheckpointConfigError: If the policy is malformed or leaves no candidates.
+    """
+    names = plan(model, _candidate_policy(as_policy(policy)), nested=nested).names
+    if not names:
+        raise CheckpointConfigError(
+            f"policy {policy!r} leaves no candidates in {type(model).__name__} to draw a "
+            f"frontier over; give a policy whose set terms select some modules"
+        )
+    return names
 
 
 def _candidate_policy(policy: Policy) -> Policy:

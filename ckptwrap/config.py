@@ -10,14 +10,20 @@ All of them end in the same :func:`ckptwrap.wrap_model` call::
 or, from a YAML/JSON config section::
 
     model = ckptwrap.config.from_config({"policy": "every:2", "use_reentrant": False}).apply(model)
+
+Where the policy comes from, first match wins: the explicit source (the ``policy`` key of
+the config, or the ``--activation-checkpointing`` flag), then the ``CKPTWRAP_POLICY``
+environment variable, then ``"none"``. The source is logged once, at INFO, on the
+``ckptwrap.config`` logger.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Set, Tuple
 
 from torch import nn
 
@@ -35,9 +41,24 @@ __all__ = [
 ]
 
 ENV_VAR = "CKPTWRAP_POLICY"
-"""Environment variable that supplies the policy when the flag is not given."""
+"""Environment variable that supplies the policy when neither the flag nor the config key does."""
 
 _OPTION_KEYS = ("use_reentrant", "preserve_rng_state", "early_stop", "determinism_check", "debug")
+_FLAG = "--activation-checkpointing"
+# The attributes add_argparse_args puts on the namespace, in the order it adds them.
+_NAMESPACE_ATTRIBUTES = (
+    "activation_checkpointing",
+    "ac_use_reentrant",
+    "ac_preserve_rng_state",
+    "ac_early_stop",
+    "ac_determinism_check",
+    "ac_nested",
+)
+
+_log = logging.getLogger(__name__)
+# (source, policy) pairs already logged: a script that reads its config in a loop, or on
+# every rank's restart of a component, says where the policy came from once, not each time.
+_LOGGED: Set[Tuple[str, str]] = set()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +77,14 @@ class ActivationCheckpointingConfig:
             raise CheckpointConfigError(
                 f"policy must be a policy string, got {self.policy!r} ({type(self.policy).__name__})."
             )
+        if not isinstance(self.nested, bool):
+            raise CheckpointConfigError(
+                f"nested must be True or False, got {self.nested!r} ({type(self.nested).__name__})."
+            )
+        if not isinstance(self.options, CheckpointOptions):
+            raise CheckpointConfigError(
+                f"options must be a CheckpointOptions, got {type(self.options).__name__}."
+            )
         as_policy(self.policy)  # fail on a malformed policy now, not when the model is built
 
     def apply(self, model: nn.Module) -> nn.Module:
@@ -66,7 +95,8 @@ class ActivationCheckpointingConfig:
 def add_argparse_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add ``--activation-checkpointing SPEC`` and the engine-option flags to ``parser``.
 
-    The policy defaults to the ``CKPTWRAP_POLICY`` environment variable, else ``none``.
+    Left out, the flag parses to ``None``; :func:`from_args` then takes the policy from
+    the ``CKPTWRAP_POLICY`` environment variable, read at that moment, else ``none``.
 
     Args:
         parser: The script's parser (or an argument group's parser).
@@ -75,15 +105,16 @@ def add_argparse_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         ``parser``, for chaining.
     """
     group = parser.add_argument_group("activation checkpointing (ckptwrap)")
+    # argparse %-formats help texts, so a literal percent sign is written %%.
     group.add_argument(
-        "--activation-checkpointing",
+        _FLAG,
         metavar="SPEC",
-        default=os.environ.get(ENV_VAR, "none"),
+        default=None,
         help=(
             "which modules to checkpoint: none, blocks, all, type:NAME, name:GLOB, every:N, "
             "first:K, last:K, fraction:P, budget:NN%% or budget:SIZE (measured on the first "
             "training step), plus selective[:OPS] or offload, joined by ';' "
-            "(default: $%s or 'none')" % ENV_VAR
+            f"(default: ${ENV_VAR}, else none)"
         ),
     )
     group.add_argument(
@@ -119,14 +150,35 @@ def add_argparse_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
 
 
 def from_args(args: argparse.Namespace) -> ActivationCheckpointingConfig:
-    """The configuration given by flags that :func:`add_argparse_args` added."""
-    try:
-        policy = args.activation_checkpointing
-    except AttributeError:
+    """The configuration given by flags that :func:`add_argparse_args` added.
+
+    The policy is the ``--activation-checkpointing`` flag when given; otherwise the
+    ``CKPTWRAP_POLICY`` environment variable, read now, when set and not blank; otherwise
+    ``"none"``. Where it came from is logged once at INFO on the ``ckptwrap.config`` logger.
+
+    Args:
+        args: The namespace ``parser.parse_args()`` returned.
+
+    Returns:
+        The configuration; nothing is applied yet.
+
+    Raises:
+        CheckpointConfigError: The namespace lacks the attributes ``add_argparse_args``
+            adds, or the policy or an option is not valid.
+    """
+    missing = [name for name in _NAMESPACE_ATTRIBUTES if not hasattr(args, name)]
+    if missing:
         raise CheckpointConfigError(
-            "the namespace has no activation_checkpointing attribute; call "
-            "ckptwrap.config.add_argparse_args(parser) before parsing."
-        ) from None
+            f"the parsed arguments ({type(args).__name__}) lack {', '.join(missing)}, which "
+            f"ckptwrap's flags set; allowed is the namespace of a parser that has them: call "
+            f"ckptwrap.config.add_argparse_args(parser) before parsing."
+        )
+    policy = _resolve_policy(
+        args.activation_checkpointing,
+        args.activation_checkpointing is not None,
+        f"the {_FLAG} flag",
+        f"no {_FLAG} flag",
+    )
     options = CheckpointOptions(
         use_reentrant=args.ac_use_reentrant,
         preserve_rng_state=args.ac_preserve_rng_state,
@@ -137,19 +189,29 @@ def from_args(args: argparse.Namespace) -> ActivationCheckpointingConfig:
 
 
 def apply_from_args(model: nn.Module, args: argparse.Namespace) -> nn.Module:
-    """Wrap ``model`` in place as the parsed flags say and return it."""
+    """Wrap ``model`` in place as the parsed flags say and return it (see :func:`from_args`)."""
     return from_args(args).apply(model)
 
 
 def from_config(config: Optional[Mapping[str, Any]]) -> ActivationCheckpointingConfig:
     """Read a config section such as ``{"policy": "every:2", "use_reentrant": false}``.
 
-    Keys: ``policy`` (default: the environment variable, else ``none``), ``nested`` and the
-    engine options ``use_reentrant``, ``preserve_rng_state``, ``early_stop``,
-    ``determinism_check``, ``debug``. A missing or empty section means the defaults.
+    Keys: ``policy``, ``nested`` and the engine options ``use_reentrant``,
+    ``preserve_rng_state``, ``early_stop``, ``determinism_check``, ``debug``. A missing or
+    empty section means the defaults. The policy is the ``policy`` key when present;
+    otherwise the ``CKPTWRAP_POLICY`` environment variable, read now, when set and not
+    blank; otherwise ``"none"``. Where it came from is logged once at INFO on the
+    ``ckptwrap.config`` logger.
+
+    Args:
+        config: The section, or ``None``.
+
+    Returns:
+        The configuration; nothing is applied yet.
 
     Raises:
-        CheckpointConfigError: An unknown key or a value of the wrong type.
+        CheckpointConfigError: An unknown key (any key that is not one of the strings
+            above) or a value of the wrong type.
     """
     if config is None:
         config = {}
@@ -158,7 +220,8 @@ def from_config(config: Optional[Mapping[str, Any]]) -> ActivationCheckpointingC
             f"expected a mapping for the activation checkpointing config, got {type(config).__name__}."
         )
     allowed = ("policy", "nested") + _OPTION_KEYS
-    unknown = sorted(set(config) - set(allowed))
+    # Keys may be anything hashable (a YAML section can have integer keys): compare, never sort them.
+    unknown = sorted((key for key in config if key not in allowed), key=repr)
     if unknown:
         raise CheckpointConfigError(
             f"unknown activation checkpointing config key(s) {', '.join(map(repr, unknown))}; "
@@ -168,5 +231,37 @@ def from_config(config: Optional[Mapping[str, Any]]) -> ActivationCheckpointingC
     if not isinstance(nested, bool):
         raise CheckpointConfigError(f"config key 'nested' must be true or false, got {nested!r}.")
     options = CheckpointOptions(**{key: config[key] for key in _OPTION_KEYS if key in config})
-    policy = config.get("policy", os.environ.get(ENV_VAR, "none"))
+    policy = _resolve_policy(
+        config.get("policy"), "policy" in config, "the config key 'policy'", "the config has no 'policy' key"
+    )
     return ActivationCheckpointingConfig(policy=policy, nested=nested, options=options)
+
+
+def _resolve_policy(explicit: Any, given: bool, source: str, absent: str) -> Any:
+    """The policy from the explicit source when ``given``, else from the environment, else
+    ``"none"``; logs the source once, and names the variable when its policy is malformed."""
+    env = os.environ.get(ENV_VAR, "")
+    if given:
+        if isinstance(explicit, str):  # anything else, ActivationCheckpointingConfig refuses
+            wins = f" (it wins over the environment variable {ENV_VAR}={env!r})" if env.strip() else ""
+            _log_once(source, explicit, f"from {source}{wins}")
+        return explicit
+    if env.strip():
+        try:
+            as_policy(env)
+        except CheckpointConfigError as error:
+            raise CheckpointConfigError(
+                f"{error} (the policy comes from the environment variable {ENV_VAR}={env!r}, "
+                f"since {absent}; fix or unset it)"
+            ) from None
+        _log_once("environment", env, f"from the environment variable {ENV_VAR} ({absent})")
+        return env
+    _log_once("default", "none", f"by default ({absent}, {ENV_VAR} unset)")
+    return "none"
+
+
+def _log_once(source: str, policy: str, how: str) -> None:
+    if (source, policy) in _LOGGED:
+        return
+    _LOGGED.add((source, policy))
+    _log.info("activation checkpointing policy %r %s", policy, how)

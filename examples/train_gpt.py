@@ -33,10 +33,8 @@ _MIB = 1024 * 1024
 def demo_configurations(layers: int) -> Dict[str, ActivationCheckpointingConfig]:
     """The policies ``make demo`` compares, by the label printed in the table."""
     last = max(1, layers // 2)
-    return {
-        spec if not reentrant else f"{spec} (re-entrant)": ckptwrap.config.from_config(
-            {"policy": spec, "use_reentrant": reentrant}
-        )
+    settings = [
+        ckptwrap.config.from_config({"policy": spec, "use_reentrant": reentrant})
         for spec, reentrant in (
             ("none", False),
             ("blocks", False),
@@ -44,7 +42,13 @@ def demo_configurations(layers: int) -> Dict[str, ActivationCheckpointingConfig]
             ("every:2", False),
             (f"type:Block;last:{last}", False),
         )
-    }
+    ]
+    return {label(setting): setting for setting in settings}
+
+
+def label(setting: ActivationCheckpointingConfig) -> str:
+    """A configuration's row label: its policy, marked when it runs on the re-entrant engine."""
+    return setting.policy + (" (re-entrant)" if setting.options.use_reentrant else "")
 
 
 @dataclasses.dataclass
@@ -53,6 +57,7 @@ class RunResult:
 
     name: str
     wrapped: int
+    """Modules checkpointed; a ``budget:`` plan counts once it is applied, on the first step."""
     peak_bytes: int
     step_ms: List[float]
     first_grads: Dict[str, torch.Tensor]
@@ -75,8 +80,9 @@ class Trainer:
         self.device = device
         self.model = setting.apply(copy.deepcopy(template).to(device).train())
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
-        wrapped = len(self.model.ckptwrap_plan)
-        self.result = RunResult(name=name, wrapped=wrapped, peak_bytes=0, step_ms=[], first_grads={}, losses=[])
+        self.result = RunResult(
+            name=name, wrapped=_checkpointed(self.model), peak_bytes=0, step_ms=[], first_grads={}, losses=[]
+        )
 
     def step(self, tokens: torch.Tensor, targets: torch.Tensor, *, seed: int, measure: bool) -> None:
         """One training step on ``(tokens, targets)`` with dropout seeded by ``seed``.
@@ -105,6 +111,8 @@ class Trainer:
             _synchronize(self.device)
             self.result.step_ms.append((time.perf_counter() - start) * 1000)
         self.result.losses.append(loss.item())
+        # A budget: plan waits for the first training forward to measure, then applies.
+        self.result.wrapped = _checkpointed(self.model)
 
 
 def grads_equal(reference: Dict[str, torch.Tensor], other: Dict[str, torch.Tensor]) -> bool:
@@ -222,7 +230,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     chosen = ckptwrap.config.from_args(args)
     configurations = None  # with no policy asked for, compare the demo's policies
     if chosen.policy != "none":
-        configurations = {"none": ActivationCheckpointingConfig(), chosen.policy: chosen}
+        configurations = {"none": ActivationCheckpointingConfig(), label(chosen): chosen}
     try:
         results = run(
             config, steps=args.steps, batch=args.batch, seed=args.seed, device=args.device,
@@ -236,6 +244,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     print("error: some gradients differ from the un-checkpointed run", file=sys.stderr)
     return 1
+
+
+def _checkpointed(model: torch.nn.Module) -> int:
+    """How many modules the model's applied plan checkpoints (0 while a plan is pending:
+    until then nothing is)."""
+    plan = model.ckptwrap_plan
+    return 0 if plan.pending else len(plan)
 
 
 def _synchronize(device: str) -> None:

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from ckptwrap import cli
+from ckptwrap._errors import CheckpointConfigError
 from ckptwrap._frontier import frontier, pareto_points, reference_points
 from ckptwrap.policy._solver import CostItem, predicted_peak, smallest_reachable_peak
 
@@ -325,3 +326,125 @@ def test_reference_points_model_the_fixed_policies():
     end_of_forward = 5 + 300 + 2 * 10
     recompute_segment_1 = 5 + 10 + 10 + 300
     assert sequential.peak == max(end_of_forward, recompute_segment_1) == 325
+
+
+# --------------------------------------------------------------------------- help texts and layout
+
+
+def test_every_parser_of_the_command_line_formats_its_help():
+    from ckptwrap.diagnostics import _cli as doctor_cli
+
+    parser = cli._build_parser()
+    texts = [parser.format_help(), doctor_cli._build_parser().format_help()]
+    commands = next(a for a in parser._actions if a.choices and "plan" in a.choices)
+    texts += [sub.format_help() for sub in commands.choices.values()]
+    assert all("%%" not in text for text in texts)
+    assert any("budget:50%" in text for text in texts)
+
+
+_PACKAGE = _ROOT / "ckptwrap"
+
+
+def _imports_of(path: Path) -> set:
+    """The ckptwrap modules ``path`` imports anywhere in it (deferred imports included)."""
+    import ast
+
+    module = ".".join(path.relative_to(_ROOT).with_suffix("").parts).removesuffix(".__init__")
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.startswith("ckptwrap"))
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            base = base[: len(base) - node.level + 1] if node.level else []
+            target = ".".join(base + ([node.module] if node.module else []))
+            if not target.startswith("ckptwrap"):
+                continue
+            # `from pkg import name` imports the submodule pkg.name when there is one.
+            for alias in node.names:
+                sub = f"{target}.{alias.name}"
+                is_module = any((_ROOT / Path(*sub.split("."))).with_suffix(s).exists() for s in (".py",))
+                found.add(sub if is_module or (_ROOT / Path(*sub.split("."))).is_dir() else target)
+    return found - {module}
+
+
+def _reachable(start: str, graph: dict) -> set:
+    seen, todo = set(), [start]
+    while todo:
+        for name in graph.get(todo.pop(), ()):
+            if name not in seen:
+                seen.add(name)
+                todo.append(name)
+    return seen
+
+
+def test_the_command_line_modules_import_one_way():
+    graph = {}
+    for path in _PACKAGE.rglob("*.py"):
+        name = ".".join(path.relative_to(_ROOT).with_suffix("").parts)
+        graph[name.removesuffix(".__init__")] = _imports_of(path)
+    # The doctor's command line does not reach back into the plan command's module...
+    assert "ckptwrap.cli" not in _reachable("ckptwrap.diagnostics._cli", graph)
+    # ...and the shared helpers sit below both commands.
+    assert "ckptwrap._cli_common" in graph["ckptwrap.cli"]
+    assert "ckptwrap._cli_common" in graph["ckptwrap.diagnostics._cli"]
+    below = _reachable("ckptwrap._cli_common", graph)
+    assert not below & {"ckptwrap.cli", "ckptwrap.diagnostics", "ckptwrap.diagnostics._cli"}
+
+
+@pytest.mark.parametrize(
+    "first, second", [("ckptwrap.diagnostics._cli", "ckptwrap.cli"), ("ckptwrap.cli", "ckptwrap.diagnostics._cli")]
+)
+def test_the_command_line_modules_import_in_either_order(first, second):
+    done = subprocess.run(
+        [sys.executable, "-c", f"import {first}, {second}"],
+        cwd=_ROOT, capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_pareto_profiles_the_model_once_and_draws_what_the_table_says(capsys, monkeypatch):
+    from ckptwrap.measure import _profile
+
+    calls = []
+    original = _profile.Session.run
+
+    def counting_run(self):
+        calls.append(self)
+        return original(self)
+
+    # Session.run is where every profile goes, whichever module calls profile_modules.
+    monkeypatch.setattr(_profile.Session, "run", counting_run)
+    drawn = []
+    monkeypatch.setattr(cli, "_figure_module", lambda path: object())  # no matplotlib needed
+    monkeypatch.setattr(cli, "_draw", lambda figure, path, line, references, title: drawn.append(references))
+    code, out, err = _run(
+        capsys, f"{_HERE}:tiny_stack", "--input-shape", "4,32,16", "--policy", "budget:60%",
+        "--pareto", "f.png", "--json",
+    )
+    assert code == 0, err
+    assert len(calls) == 1
+    table = json.loads(out)
+    chosen = [entry["name"] for entry in table["selected"]]
+    # The plan's own point, or a reference point that is the very same (not drawn twice).
+    own = next(
+        point for point in drawn[0]
+        if list(point.names) == chosen and point.peak == table["predicted_peak"]
+    )
+    assert own.peak == table["predicted_peak"]
+    assert math.isclose(own.time, table["recompute_time"], rel_tol=1e-12)
+
+
+def test_pareto_points_reuse_a_given_profile(monkeypatch):
+    from ckptwrap import _frontier
+    from ckptwrap.measure import profile_modules
+
+    model = tiny_stack().train()
+    inputs = (torch.randn(2, 16),)
+    profile = profile_modules(model, _LAYER_NAMES, inputs)
+    monkeypatch.setattr(_frontier, "profile_modules", lambda *a, **k: pytest.fail("profiled again"))
+    line, references = pareto_points(model, inputs, "blocks", profile=profile)
+    assert line and references[0].label == "blocks (all 4)"
+    with pytest.raises(CheckpointConfigError, match=r"lacks 2 of the 4 candidates of 'blocks' \(layers.2, layers.3\)"):
+        pareto_points(model, inputs, "blocks", profile=profile_modules(model, _LAYER_NAMES[:2], inputs))

@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import argparse
 import copy
+import logging
+import subprocess
+import sys
 from typing import List
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from torch import nn
 
 import ckptwrap
@@ -63,7 +68,7 @@ def _no_policy_in_the_environment(monkeypatch):
 
 def test_defaults_checkpoint_nothing():
     args = _parse([])
-    assert args.activation_checkpointing == "none"
+    assert args.activation_checkpointing is None  # not given: from_args looks further
     cfg = config.from_args(args)
     assert cfg.policy == "none" and cfg.nested is False
     assert cfg.options == CheckpointOptions()
@@ -236,3 +241,142 @@ def test_the_config_is_a_frozen_value():
     with pytest.raises(AttributeError):
         cfg.policy = "all"
     assert "blocks" in repr(cfg)
+
+
+# --------------------------------------------------------------------------- help text
+
+
+def test_the_help_of_a_parser_with_every_flag_formats():
+    parser = argparse.ArgumentParser(prog="train.py")
+    config.add_argparse_args(parser)
+    text = parser.format_help()
+    for flag in ("--activation-checkpointing", "--ac-use-reentrant", "--ac-nested", "--ac-determinism-check"):
+        assert flag in text
+    # argparse expands %-placeholders in help texts: the percent sign must survive as one.
+    assert "budget:NN%" in text and "budget:NN%%" not in text
+    assert config.ENV_VAR in text
+
+
+def test_the_documented_import_form_works_in_a_fresh_interpreter():
+    # `import ckptwrap` alone must make ckptwrap.config reachable, as the README shows.
+    done = subprocess.run(
+        [sys.executable, "-c", "import ckptwrap; print(ckptwrap.config.add_argparse_args.__name__)"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "add_argparse_args"
+    assert "config" not in ckptwrap.__all__  # a submodule, not a name of the public API
+
+
+# --------------------------------------------------------------------------- malformed input
+
+
+def test_a_key_that_is_not_a_string_is_an_error_naming_it():
+    with pytest.raises(CheckpointConfigError, match=r"unknown .*key\(s\) 1, None;.*allowed: policy, nested"):
+        config.from_config({1: "x", "policy": "blocks", None: 2})
+
+
+def test_a_namespace_without_the_option_flags_names_the_missing_ones():
+    args = argparse.Namespace(activation_checkpointing="blocks", ac_use_reentrant=False)
+    with pytest.raises(
+        CheckpointConfigError,
+        match=r"ac_preserve_rng_state, ac_early_stop, ac_determinism_check, ac_nested.*"
+        r"add_argparse_args\(parser\) before parsing",
+    ):
+        config.apply_from_args(_net(), args)
+
+
+def test_a_namespace_with_a_wrong_nested_value_is_an_error():
+    args = _parse([])
+    args.ac_nested = "yes"
+    with pytest.raises(CheckpointConfigError, match="nested must be True or False, got 'yes'"):
+        config.from_args(args)
+
+
+_ANY_VALUE = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12) | st.binary(max_size=4),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=6,
+)
+_ANY_KEY = (
+    st.sampled_from(("policy", "nested", "use_reentrant", "preserve_rng_state", "early_stop",
+                     "determinism_check", "debug"))
+    | st.text(max_size=8) | st.integers() | st.none() | st.floats(allow_nan=False)
+    | st.tuples(st.integers())
+)
+_POLICY_TEXT = st.text(alphabet="blockseveryatfirsuagdn:;%,.*0123456789 -", max_size=16)
+
+
+@given(st.dictionaries(_ANY_KEY, _ANY_VALUE | _POLICY_TEXT, max_size=5))
+def test_from_config_raises_only_the_library_errors(section):
+    try:
+        made = config.from_config(section)
+    except CheckpointConfigError:
+        return
+    assert isinstance(made, config.ActivationCheckpointingConfig)
+
+
+# --------------------------------------------------------------------------- where the policy comes from
+
+
+@pytest.fixture
+def policy_log(caplog):
+    config._LOGGED.clear()  # the once-per-source memory is process-wide
+    caplog.set_level(logging.INFO, logger="ckptwrap")
+    yield caplog
+    config._LOGGED.clear()
+
+
+def _policy_records(caplog) -> List[str]:
+    return [r.getMessage() for r in caplog.records if r.name.startswith("ckptwrap") and "policy" in r.getMessage()]
+
+
+def test_the_config_key_wins_over_the_environment_and_says_so(monkeypatch, policy_log):
+    monkeypatch.setenv(config.ENV_VAR, "last:1")
+    assert config.from_config({"policy": "every:2"}).policy == "every:2"
+    assert config.from_config({"policy": "every:2"}).policy == "every:2"
+    assert _policy_records(policy_log) == [
+        "activation checkpointing policy 'every:2' from the config key 'policy' "
+        "(it wins over the environment variable CKPTWRAP_POLICY='last:1')"
+    ]
+    assert all(r.levelno == logging.INFO for r in policy_log.records)
+
+
+def test_the_environment_fills_in_a_missing_config_key_and_says_so(monkeypatch, policy_log):
+    monkeypatch.setenv(config.ENV_VAR, "last:2")
+    assert config.from_config({"nested": False}).policy == "last:2"
+    config.from_config({})
+    assert _policy_records(policy_log) == [
+        "activation checkpointing policy 'last:2' from the environment variable CKPTWRAP_POLICY "
+        "(the config has no 'policy' key)"
+    ]
+
+
+def test_the_flag_wins_over_the_environment_read_when_the_flags_are_read(monkeypatch, policy_log):
+    args = _parse([])  # the variable is read by from_args, not when the parser is built
+    monkeypatch.setenv(config.ENV_VAR, "every:2")
+    assert config.from_args(args).policy == "every:2"
+    assert config.from_args(_parse(["--activation-checkpointing", "blocks"])).policy == "blocks"
+    assert _policy_records(policy_log) == [
+        "activation checkpointing policy 'every:2' from the environment variable CKPTWRAP_POLICY "
+        "(no --activation-checkpointing flag)",
+        "activation checkpointing policy 'blocks' from the --activation-checkpointing flag "
+        "(it wins over the environment variable CKPTWRAP_POLICY='every:2')",
+    ]
+
+
+def test_with_no_source_the_policy_is_none_and_says_so(monkeypatch, policy_log):
+    monkeypatch.setenv(config.ENV_VAR, "  ")  # set but blank counts as unset
+    assert config.from_config({}).policy == "none"
+    assert _policy_records(policy_log) == [
+        "activation checkpointing policy 'none' by default (the config has no 'policy' key, "
+        "CKPTWRAP_POLICY unset)"
+    ]
+
+
+def test_a_bad_policy_in_the_environment_names_the_variable(monkeypatch):
+    monkeypatch.setenv(config.ENV_VAR, "blokcs")
+    with pytest.raises(CheckpointConfigError, match=r"unknown term 'blokcs'.*environment variable CKPTWRAP_POLICY='blokcs'"):
+        config.from_config({})
+    with pytest.raises(CheckpointConfigError, match="environment variable CKPTWRAP_POLICY"):
+        config.from_args(_parse([]))

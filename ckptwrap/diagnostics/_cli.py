@@ -1,7 +1,8 @@
 """``python -m ckptwrap doctor MODULE:FACTORY ...``: build a model from a factory, wrap it
 with a policy if one is given, run :func:`doctor` on random inputs and print the report.
 
-Model loading and input making are those of ``python -m ckptwrap plan``.
+Model loading and input making are those of ``python -m ckptwrap plan``, shared through
+``ckptwrap._cli_common``.
 """
 
 from __future__ import annotations
@@ -9,12 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from types import ModuleType
-from typing import Any, List, Optional, Sequence
+from typing import Any, Optional, Sequence
 
-import torch
-
+from .._cli_common import UsageError, add_model_arguments, prepare
 from .._errors import CheckpointError
+from ..policy import as_policy, split_modifiers
+from ..wrap import wrap_model
 from ._doctor import doctor
 
 __all__ = ["main"]
@@ -32,22 +33,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         The exit status: 0 when the report has nothing to fix, 1 when it has (an error, or
         a warning unless ``--fail-on error``), 2 for a bad command line, factory or policy.
     """
-    from .. import cli  # here, not at the top: the CLI imports this module to dispatch
-
     arguments = list(sys.argv[2:] if argv is None else argv)
-    parser = _build_parser(sorted(cli._DTYPES))
+    parser = _build_parser()
     try:
         args = parser.parse_args(arguments)
     except SystemExit as exit:  # --help, or argparse's own usage error (status 2)
         return int(exit.code or 0)
     try:
-        return _run(args, cli)
-    except (cli._UsageError, CheckpointError) as error:
+        return _run(args)
+    except (UsageError, CheckpointError) as error:
         print(f"{_PROG}: error: {error}", file=sys.stderr)
         return 2
 
 
-def _build_parser(dtypes: List[str]) -> argparse.ArgumentParser:
+def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=_PROG,
         description=(
@@ -58,35 +57,13 @@ def _build_parser(dtypes: List[str]) -> argparse.ArgumentParser:
             % _PROG
         ),
     )
-    parser.add_argument(
-        "factory",
-        metavar="MODULE:FACTORY",
-        help="an importable module (pkg.models) or a .py file, and a callable in it that "
-        "returns an nn.Module when called with no arguments",
-    )
-    parser.add_argument(
-        "--input-shape",
-        action="append",
-        default=[],
-        metavar="N,N,...",
-        help="shape of one positional input of the model's forward; repeat for several inputs",
-    )
-    parser.add_argument(
-        "--input-dtype", choices=dtypes,
-        help="dtype of the inputs (default: float32, or long with --input-high)",
-    )
-    parser.add_argument(
-        "--input-high", "--vocab", type=int, metavar="N",
-        help="draw integer inputs (token ids) uniformly from [0, N)",
-    )
+    add_model_arguments(parser, device_help="device to run on (default: cpu)")
     parser.add_argument(
         "--policy",
         help="wrap the model with this policy first (default: check the model as the "
         "factory returns it, marked by CheckpointWrapper or @checkpointed)",
     )
     parser.add_argument("--use-reentrant", action="store_true", help="wrap with the re-entrant engine")
-    parser.add_argument("--device", default="cpu", help="device to run on (default: cpu)")
-    parser.add_argument("--seed", type=int, default=0, help="seed for the model and the inputs")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument(
         "--fail-on",
@@ -97,31 +74,17 @@ def _build_parser(dtypes: List[str]) -> argparse.ArgumentParser:
     return parser
 
 
-def _run(args: argparse.Namespace, cli: ModuleType) -> int:
+def _run(args: argparse.Namespace) -> int:
     if not args.input_shape:
-        raise cli._UsageError(
+        raise UsageError(
             "doctor runs a training step, so it needs inputs: give --input-shape N,N,... "
             "(once per positional input), e.g. --input-shape 8,128 --vocab 512"
         )
     if args.use_reentrant and args.policy is None:
-        raise cli._UsageError(
+        raise UsageError(
             "--use-reentrant applies to the wrapping by --policy; give a policy, or drop it"
         )
-    shapes = [cli._parse_shape(text) for text in args.input_shape]
-    dtype = cli._input_dtype(args.input_dtype, args.input_high)
-    device = cli._device(args.device)
-
-    torch.manual_seed(args.seed)
-    model = cli._build_model(args.factory)
-    try:
-        model.to(device)
-    except (RuntimeError, AssertionError) as error:  # torch asserts on a missing backend
-        raise cli._UsageError(
-            f"cannot move the model to --device {args.device}: {error}"
-        ) from None
-    model.train()
-    inputs = cli._make_inputs(shapes, dtype, args.input_high, device, args.seed)
-    cli._try_forward(model, inputs)
+    model, inputs, _ = prepare(args)
     if args.policy is not None:
         _wrap(model, args.policy, inputs, args.use_reentrant)
 
@@ -134,9 +97,6 @@ def _run(args: argparse.Namespace, cli: ModuleType) -> int:
 
 
 def _wrap(model: Any, policy: str, inputs: Any, use_reentrant: bool) -> None:
-    from ..policy import as_policy, split_modifiers
-    from ..wrap import wrap_model
-
     # Only a budget needs measured costs; other policies wrap without profiling.
     needs_costs = split_modifiers(as_policy(policy))[1] is not None
     wrap_model(

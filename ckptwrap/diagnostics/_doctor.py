@@ -18,7 +18,7 @@ from . import _checks
 from ._ddp import check_ddp
 from ._gradients import compare_gradients
 from ._regions import Region, find_regions
-from ._report import DoctorReport, Finding
+from ._report import DoctorReport, Finding, group_findings
 from ._steps import Observer, StepResult, copy_model, default_loss, run_step
 
 __all__ = ["doctor"]
@@ -53,6 +53,9 @@ def doctor(
     - ``reentrant-no-grad-input``, ``reentrant-keyword-tensors`` (info): calls that
       torch's re-entrant variant gets wrong (it drops parameter gradients when no input
       requires grad, and refuses keyword arguments) and ckptwrap's handles.
+
+    Findings that say the same about several modules (each layer of a model, say) are
+    reported once, with all those modules in ``Finding.modules``.
 
     Args:
         model: The checkpointed model (a ``DistributedDataParallel`` wrapper is looked
@@ -129,7 +132,8 @@ def doctor(
     return DoctorReport(
         model=type(model).__name__,
         regions=tuple(_checks.display(prefix, region.name) for region in regions),
-        findings=tuple(findings),
+        # The same note on each of twelve alike layers reads better once, listing them.
+        findings=tuple(group_findings(findings)),
         parameters_compared=compared,
         max_grad_difference=largest,
     )

@@ -4,18 +4,22 @@ that prints as a readable list and converts to JSON-friendly data."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import textwrap
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, Iterable, List, Tuple
 
 from .._errors import CheckpointConfigError
 
-__all__ = ["DoctorReport", "Finding", "SEVERITIES"]
+__all__ = ["DoctorReport", "Finding", "SEVERITIES", "group_findings"]
 
 SEVERITIES = ("error", "warning", "info")
 """From worst to mildest. Errors mean wrong gradients or a failing step; warnings mean
 memory or compute spent for nothing; infos need no change."""
 
 _WIDTH = 96
+_EACH = "each of these modules"
+"""What a grouped finding's message and fix say where a single one names its module."""
+_SHOWN = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,16 +37,39 @@ class Finding:
     """What is wrong, in one or two sentences."""
     fix: str
     """What to change."""
+    modules: Tuple[str, ...] = ()
+    """Every module the finding applies to, in model order: ``(module,)`` unless the same
+    thing was found in several alike modules (the layers of a model, say), which then share
+    one finding whose message speaks of "each of these modules"."""
 
     def __post_init__(self) -> None:
         if self.severity not in SEVERITIES:
             raise CheckpointConfigError(
                 f"Finding.severity must be one of {', '.join(SEVERITIES)}, got {self.severity!r}"
             )
+        modules = tuple(self.modules) or (self.module,)
+        if modules[0] != self.module:
+            raise CheckpointConfigError(
+                f"Finding.module {self.module!r} must be the first of modules "
+                f"{list(modules)!r}; give modules in model order, starting with module."
+            )
+        object.__setattr__(self, "modules", modules)
 
-    def to_dict(self) -> Dict[str, str]:
+    @property
+    def where(self) -> str:
+        """The module, or the modules, as the printed report names them."""
+        if len(self.modules) == 1:
+            return self.module or "<model>"
+        shown = list(self.modules)
+        if len(shown) > _SHOWN:
+            shown = shown[: _SHOWN - 1] + ["...", shown[-1]]
+        return f"{', '.join(name or '<model>' for name in shown)} ({len(self.modules)} modules)"
+
+    def to_dict(self) -> Dict[str, Any]:
         """The fields as a JSON-friendly dict."""
-        return dataclasses.asdict(self)
+        data = dataclasses.asdict(self)
+        data["modules"] = list(self.modules)
+        return data
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,9 +139,8 @@ class DoctorReport:
             f"{self.parameters_compared} parameter gradient(s) compared with a plain step"
         ]
         for finding in self.findings:
-            where = finding.module or "<model>"
             lines.append("")
-            lines.append(f"{finding.severity.upper():<8}{where}  [{finding.check}]")
+            lines.append(f"{finding.severity.upper():<8}{finding.where}  [{finding.check}]")
             lines += _wrapped(finding.message, "  ")
             lines += _wrapped(f"fix: {finding.fix}", "  ")
         counts = ", ".join(
@@ -123,6 +149,50 @@ class DoctorReport:
         verdict = "ok" if self.ok else "problems found"
         lines += ["", f"{counts}: {verdict}"]
         return "\n".join(lines)
+
+
+def group_findings(findings: Iterable[Finding]) -> List[Finding]:
+    """One finding for each set of findings that say the same about different modules.
+
+    Findings group when their severity and check are the same and their message and fix
+    are too once each one's own module name is set aside; a group of several becomes one
+    finding with all their modules, at the place of its first member. A repeated note on
+    every layer of a model thus prints once.
+
+    Args:
+        findings: Findings in the order the checks made them (modules in model order).
+
+    Returns:
+        The findings, grouped; a finding alike to no other is returned as it is.
+    """
+    groups: Dict[Tuple[str, str, str, str], List[Finding]] = {}
+    for finding in findings:
+        key = (
+            finding.severity,
+            finding.check,
+            _without_names(finding.message, finding.modules),
+            _without_names(finding.fix, finding.modules),
+        )
+        groups.setdefault(key, []).append(finding)
+    grouped = []
+    for (severity, check, message, fix), members in groups.items():
+        modules = tuple(dict.fromkeys(name for member in members for name in member.modules))
+        if len(members) == 1 or len(modules) == 1:
+            grouped.append(members[0])
+            continue
+        grouped.append(Finding(
+            severity, check, modules[0],
+            message.replace("\0", _EACH), fix.replace("\0", _EACH), modules=modules,
+        ))
+    return grouped
+
+
+def _without_names(text: str, names: Tuple[str, ...]) -> str:
+    """``text`` with each whole mention of ``names`` replaced by a NUL placeholder; a name
+    inside a longer one (``layers.1`` in ``layers.10`` or ``layers.1.fc``) is not a mention."""
+    for name in sorted((n for n in names if n), key=len, reverse=True):
+        text = re.sub(rf"(?<![\w.]){re.escape(name)}(?!\.?\w)", "\0", text)
+    return text
 
 
 def _wrapped(text: str, indent: str) -> List[str]:

@@ -36,6 +36,7 @@ class MeasuredChoice:
         self.budget = budget
         self.activation_bytes = profile.total_activation_bytes
         self.predicted_peak = peak
+        self.profile = profile
 
 
 def cost_item(cost: Any, *, segments: bool = False) -> CostItem:
@@ -118,6 +119,7 @@ def measure_and_choose(
     *,
     save_policy: Optional[Callable[..., Any]] = None,
     segments: bool = False,
+    profile: Optional[ModelProfile] = None,
 ) -> MeasuredChoice:
     """Profile ``candidates`` on the example inputs and choose among them.
 
@@ -125,11 +127,21 @@ def measure_and_choose(
     with ``segments`` consecutive candidates may share one region; without a budget, all
     candidates, each in its own region, with their predictions. ``save_policy`` is the
     selective tier's policy, if the candidates are to be checkpointed selectively.
+
+    ``profile``, made on the same inputs without a save policy, is used instead of
+    profiling again when it serves: it must cover the candidates, and, for a budget, no
+    more than them (its other modules are counted as kept without a budget).
     """
     names = [entry.name for entry in candidates]
-    with torch.random.fork_rng(devices=[]):
-        profile = profile_modules(model, names, args, kwargs, save_policy=save_policy)
-    ordered = forward_items(profile, names, segments=segments and budget is not None)
+    if not _serves(profile, names, budget, save_policy):
+        with torch.random.fork_rng(devices=[]):
+            profile = profile_modules(model, names, args, kwargs, save_policy=save_policy)
+    assert profile is not None
+    if budget is None:
+        # Modules profiled beside the candidates stay as they are: kept, in the prediction.
+        ordered = forward_items(profile, [cost.name for cost in profile.modules])
+    else:
+        ordered = forward_items(profile, names, segments=segments)
     items = [item for _, item in ordered]
     dropped: List[Tuple[str, str]] = []
     budget_bytes = None
@@ -146,7 +158,8 @@ def measure_and_choose(
         ]
     else:
         picked = set(names)
-        peak = predicted_peak(items, range(len(items)), base=profile.base_bytes)
+        chosen = [i for i, (name, _) in enumerate(ordered) if name in picked]
+        peak = predicted_peak(items, chosen, base=profile.base_bytes)
     by_name = dict(ordered)
     entries = [
         PlanEntry(
@@ -160,3 +173,16 @@ def measure_and_choose(
         if entry.name in picked
     ]
     return MeasuredChoice(entries, dropped, budget_bytes, profile, peak)
+
+
+def _serves(
+    profile: Optional[ModelProfile],
+    names: Sequence[str],
+    budget: Optional[Budget],
+    save_policy: Optional[Callable[..., Any]],
+) -> bool:
+    """Whether a given profile can stand for profiling ``names`` here."""
+    if profile is None or save_policy is not None:
+        return False
+    profiled = {cost.name for cost in profile.modules}
+    return set(names) <= profiled and (budget is None or profiled == set(names))

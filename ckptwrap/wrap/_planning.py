@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_leaves
 
 from .._errors import CheckpointConfigError
 from ..policy import Budget, Offload, Selective, as_policy, split_modifiers
+from ..measure import ModelProfile
 from ._costs import as_example, measure_and_choose
 from ._forwards import marking
 from ._options import CheckpointOptions, options_from
@@ -20,7 +21,7 @@ from ._plan import Plan, PlanEntry
 from ._selective import SelectiveContexts
 from ._wrapper import refuse_torchscript
 
-__all__ = ["plan"]
+__all__ = ["plan", "plan_and_profile"]
 
 
 def plan(
@@ -57,9 +58,31 @@ def plan(
         CheckpointConfigError: The policy or an option is not valid for this model, or a
             selected module is already checkpointed with different options.
     """
+    return plan_and_profile(
+        model, policy, nested=nested, example_inputs=example_inputs,
+        example_kwargs=example_kwargs, **options,
+    )[0]
+
+
+def plan_and_profile(
+    model: nn.Module,
+    policy: Any = "blocks",
+    *,
+    nested: bool = False,
+    example_inputs: Any = None,
+    example_kwargs: Optional[Dict[str, Any]] = None,
+    profile: Optional[ModelProfile] = None,
+    **options: Any,
+) -> Tuple[Plan, Optional[ModelProfile]]:
+    """:func:`plan`, and the profile its predictions come from (None when unmeasured).
+
+    ``profile``, made on the same example inputs, is used instead of profiling again where
+    it serves (see ``measure_and_choose``), so that a drawing made from it agrees with the
+    plan.
+    """
     unmeasured, budget = _select(model, policy, nested, options)
     if budget is None and example_inputs is None and example_kwargs is None:
-        return unmeasured
+        return unmeasured, None
     if example_inputs is None and example_kwargs is None:
         raise CheckpointConfigError(
             f"{budget.describe()} chooses modules from measured costs, so plan() needs "
@@ -75,8 +98,9 @@ def plan(
         save_policy=save_policy,
         # Segments run on the non-re-entrant engine only.
         segments=unmeasured.tier == "recompute" and not unmeasured.options.use_reentrant,
+        profile=profile,
     )
-    return dataclasses.replace(
+    measured = dataclasses.replace(
         unmeasured,
         selected=tuple(choice.entries),
         dropped=unmeasured.dropped + tuple(choice.dropped),
@@ -84,6 +108,7 @@ def plan(
         activation_bytes=choice.activation_bytes,
         predicted_peak=choice.predicted_peak,
     )
+    return measured, choice.profile
 
 
 def _refuse_inference(

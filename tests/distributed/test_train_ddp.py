@@ -1,9 +1,10 @@
 """``examples/train_ddp.py`` runs under torchrun on two CPU ranks, at tiny sizes, and finds
-every rank's parameters equal to its one-process run."""
+every rank's parameters equal to its one-process run (within the tolerance it states)."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,4 +38,9 @@ def test_train_ddp_under_torchrun(flags, wrapped):
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert wrapped in done.stdout
-    assert "on every rank: equal the one-process run" in done.stdout
+    # Rounding may differ (the ranks sum gradients in another order): the line says which.
+    assert re.search(
+        r"on every rank: (equal the one-process run, bit for bit|match the one-process run "
+        r"within rtol=0\.0001, atol=1e-06 \(max \|difference\| [0-9.e+-]+\))$",
+        done.stdout, flags=re.MULTILINE,
+    ), done.stdout

@@ -173,12 +173,26 @@ def test_tensors_by_keyword_to_reentrant_regions_are_noted():
     model = ckptwrap.wrap_model(Stack(scale_by_keyword=True), "blocks", use_reentrant=True)
     report = doctor(model, inputs())
     assert report.ok, report
-    notes = found(report, "reentrant-keyword-tensors")
-    assert [f.module for f in notes] == LAYERS
-    assert "(scale)" in notes[0].message
-    assert notes[0].severity == "info"
+    [note] = found(report, "reentrant-keyword-tensors")  # one note for the three alike layers
+    assert note.modules == tuple(LAYERS) and note.module == LAYERS[0]
+    assert "(scale)" in note.message
+    assert note.severity == "info"
     plain = ckptwrap.wrap_model(Stack(scale_by_keyword=True), "blocks")
     assert found(doctor(plain, inputs()), "reentrant-keyword-tensors") == []
+
+
+def test_the_same_note_on_many_alike_layers_is_one_finding_listing_them():
+    model = ckptwrap.wrap_model(Stack(depth=12, scale_by_keyword=True), "blocks", use_reentrant=True)
+    report = doctor(model, inputs())
+    names = [f"layers.{i}" for i in range(12)]
+    [note] = found(report, "reentrant-keyword-tensors")
+    assert note.modules == tuple(names)
+    assert note.message.startswith("each of these modules uses the re-entrant engine")
+    assert not any(name in note.message or name in note.fix for name in names)
+    text = str(report)
+    assert text.count("[reentrant-keyword-tensors]") == 1
+    assert "INFO    layers.0, layers.1, ..., layers.11 (12 modules)  [reentrant-keyword-tensors]" in text
+    assert report.to_dict()["findings"][0]["modules"] == names
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ import pytest
 
 from ckptwrap._errors import CheckpointConfigError
 from ckptwrap.diagnostics import DoctorReport, Finding
+from ckptwrap.diagnostics._report import group_findings
 
 INFO = Finding("info", "reentrant-keyword-tensors", "layers.1", "gets tensors by keyword.", "nothing.")
 WARNING = Finding("warning", "no-savings", "head", "saves almost nothing.", "leave it out.")
@@ -52,3 +53,39 @@ def test_to_dict_is_json_and_complete():
 def test_unknown_severity_is_refused():
     with pytest.raises(CheckpointConfigError, match="one of error, warning, info, got 'fatal'"):
         Finding("fatal", "x", "", "m", "f")
+
+
+def _note(name: str, calls: int = 2) -> Finding:
+    return Finding(
+        "info", "reentrant-keyword-tensors", name,
+        f"{name} uses the re-entrant engine in {calls} call(s).", f"nothing to change in {name}.",
+    )
+
+
+def test_findings_that_differ_only_in_their_module_are_grouped_in_order():
+    grouped = group_findings([_note("layers.0"), ERROR, _note("layers.1"), _note("layers.10")])
+    assert grouped[1] == ERROR
+    note = grouped[0]
+    assert note.modules == ("layers.0", "layers.1", "layers.10") and note.module == "layers.0"
+    assert note.message == "each of these modules uses the re-entrant engine in 2 call(s)."
+    assert note.fix == "nothing to change in each of these modules."
+    assert "INFO    layers.0, layers.1, layers.10 (3 modules)  [reentrant-keyword-tensors]" in str(report(note))
+
+
+def test_findings_that_differ_in_substance_stay_apart():
+    apart = [_note("layers.0"), _note("layers.1", calls=3)]
+    # Names inside longer names are part of what a finding says, not where it is.
+    apart += [Finding("error", "dropout-rng", f"layers.{i}", f"layers.{i} has layers.{i}.drop.", "f.") for i in (1, 2)]
+    assert group_findings(apart) == apart
+    assert group_findings([INFO]) == [INFO] and INFO.modules == ("layers.1",)
+
+
+def test_a_grouped_finding_round_trips_through_json():
+    [note] = group_findings([_note("a"), _note("b")])
+    data = json.loads(json.dumps(note.to_dict()))
+    assert data["modules"] == ["a", "b"] and Finding(**data) == note
+
+
+def test_a_finding_whose_module_is_not_in_its_modules_is_refused():
+    with pytest.raises(CheckpointConfigError, match="module 'x' must be the first of modules"):
+        Finding("info", "c", "x", "m", "f", modules=("a", "x"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -89,3 +90,84 @@ def test_gpt_synthetic_batch_is_reproducible(train_gpt):
     tokens, targets = first
     assert tokens.shape == targets.shape == (3, 8)
     assert torch.equal(tokens[:, 1:], targets[:, :-1])
+
+
+# --------------------------------------------------------------------------- --help of every script
+
+
+def _scripts():
+    """The example scripts: the files under examples/ that run as programs."""
+    return sorted(
+        path.name for path in (_ROOT / "examples").glob("*.py")
+        if 'if __name__ == "__main__":' in path.read_text()
+    )
+
+
+def test_there_are_example_scripts():
+    assert {"train_gpt.py", "train_ddp.py"} <= set(_scripts())
+
+
+@pytest.mark.parametrize("script", _scripts())
+def test_every_example_script_prints_its_help(script):
+    done = subprocess.run(
+        [sys.executable, str(_ROOT / "examples" / script), "--help"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "--activation-checkpointing" in done.stdout and "budget:NN%" in done.stdout
+
+
+# --------------------------------------------------------------------------- what the table counts
+
+
+def test_a_budget_row_counts_the_modules_its_applied_plan_checkpoints(train_gpt):
+    config = train_gpt.GPTConfig(width=32, heads=2, layers=6, seq_len=16, vocab=64)
+    setting = train_gpt.ckptwrap.config.from_config({"policy": "budget:50%"})
+    torch.manual_seed(0)
+    trainer = train_gpt.Trainer("budget:50%", train_gpt.GPT(config), setting)
+    tokens, targets = train_gpt.synthetic_batch(config, 2, seed=0)
+    with pytest.warns(UserWarning, match="measured GPT on its first training forward"):
+        trainer.step(tokens, targets, seed=0, measure=True)  # the plan is applied here
+    checkpointed = [name for name, m in trainer.model.named_modules() if "forward" in m.__dict__]
+    assert 0 < len(checkpointed) < config.layers  # the budget leaves some blocks alone
+    assert trainer.result.wrapped == len(checkpointed)
+
+
+def test_the_command_line_labels_a_reentrant_row(train_gpt, capsys):
+    argv = ["--steps", "2", "--layers", "2", "--width", "32", "--heads", "2", "--seq-len", "8",
+            "--batch", "2", "--activation-checkpointing", "every:2", "--ac-use-reentrant"]
+    assert train_gpt.main(argv) == 0
+    rows = {line.split("  ")[0].strip() for line in capsys.readouterr().out.splitlines()}
+    assert "every:2 (re-entrant)" in rows
+
+
+# --------------------------------------------------------------------------- train_ddp's verdict
+
+
+@pytest.fixture(scope="module")
+def train_ddp():
+    return _load("examples/train_ddp.py", "_ckptwrap_example_train_ddp")
+
+
+def test_the_ddp_verdict_says_within_which_tolerance(train_ddp):
+    rtol, atol = train_ddp._RTOL, train_ddp._ATOL
+    reference = {"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([0.5])}
+
+    def line_for(params):
+        worst, close = train_ddp.compare(params, reference)
+        return close, train_ddp.verdict(3, worst.item(), close)
+
+    nudged = dict(reference, w=reference["w"] + torch.tensor([0.0, 2.0 ** -22]))
+    worst = (nudged["w"] - reference["w"]).abs().max().item()
+    assert worst > 0
+    assert line_for(nudged) == (True, (
+        f"parameters after 3 steps on every rank: match the one-process run within "
+        f"rtol={rtol:g}, atol={atol:g} (max |difference| {worst:.2e})"
+    ))
+    same = {name: value.clone() for name, value in reference.items()}
+    assert line_for(same) == (True, "parameters after 3 steps on every rank: equal the one-process run, bit for bit")
+    far = dict(reference, b=reference["b"] + 1)
+    assert line_for(far) == (False, (
+        f"parameters after 3 steps on every rank: DIFFERENT from the one-process run beyond "
+        f"rtol={rtol:g}, atol={atol:g} (max |difference| 1.00e+00)"
+    ))

@@ -1,0 +1,245 @@
+"""What the two commands of ``python -m ckptwrap`` share: the model and input flags, loading
+a factory, and making random inputs. Both ``plan`` (``ckptwrap.cli``) and ``doctor``
+(``ckptwrap.diagnostics``) import it; it imports neither.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import inspect
+import os
+import re
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable, List, Sequence, Tuple
+
+import torch
+from torch import nn
+
+__all__ = ["DTYPES", "UsageError", "add_model_arguments", "prepare"]
+
+DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "long": torch.int64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+}
+"""Input dtypes by the name ``--input-dtype`` takes."""
+
+_WHOLE_NUMBER = re.compile(r"[0-9]+")
+
+
+class UsageError(Exception):
+    """A mistake in the command line; reported as one line, exit status 2."""
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, *, device_help: str) -> None:
+    """Add the factory argument and the input, device and seed flags to ``parser``."""
+    parser.add_argument(
+        "factory",
+        metavar="MODULE:FACTORY",
+        help="an importable module (pkg.models) or a .py file, and a callable in it that "
+        "returns an nn.Module when called with no arguments",
+    )
+    parser.add_argument(
+        "--input-shape",
+        action="append",
+        default=[],
+        metavar="N,N,...",
+        help="shape of one positional input of the model's forward; repeat for several inputs",
+    )
+    parser.add_argument(
+        "--input-dtype",
+        choices=sorted(DTYPES),
+        help="dtype of the inputs (default: float32, or long with --input-high)",
+    )
+    parser.add_argument(
+        "--input-high",
+        "--vocab",
+        type=int,
+        metavar="N",
+        help="draw integer inputs (token ids) uniformly from [0, N)",
+    )
+    parser.add_argument("--device", default="cpu", help=device_help)
+    parser.add_argument("--seed", type=int, default=0, help="seed for the model and the inputs")
+
+
+def prepare(args: argparse.Namespace) -> Tuple[nn.Module, Tuple[torch.Tensor, ...], List[Tuple[int, ...]]]:
+    """The model in train mode on ``--device`` and its random inputs, from the flags of
+    :func:`add_model_arguments`; the inputs have run through one forward already.
+
+    Returns:
+        The model, its inputs (empty without ``--input-shape``) and their shapes.
+
+    Raises:
+        UsageError: For a bad flag, a factory that cannot be loaded or called, or inputs
+            the model cannot take.
+    """
+    shapes = [_parse_shape(text) for text in args.input_shape]
+    dtype = _input_dtype(args.input_dtype, args.input_high)
+    device = _device(args.device)
+    torch.manual_seed(args.seed)
+    model = _build_model(args.factory)
+    try:
+        model.to(device)
+    except (RuntimeError, AssertionError) as error:  # torch asserts on a missing backend
+        raise UsageError(f"cannot move the model to --device {args.device}: {error}") from None
+    model.train()  # what a training step keeps is what both commands look at
+    inputs = _make_inputs(shapes, dtype, args.input_high, device, args.seed)
+    if inputs:
+        _try_forward(model, inputs)
+    return model, inputs, shapes
+
+
+# --------------------------------------------------------------------------- the model
+
+
+def _build_model(spec: str) -> nn.Module:
+    factory = _load_factory(spec)
+    try:
+        inspect.signature(factory).bind()
+    except TypeError as error:
+        raise UsageError(
+            f"{spec} cannot be called with no arguments ({error}); give a factory whose "
+            f"parameters all have defaults"
+        ) from None
+    except ValueError:
+        pass  # no signature to check (some builtins); the call itself will tell
+    model = factory()
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"{spec} returned {type(model).__name__}, expected an nn.Module")
+    return model
+
+
+def _load_factory(spec: str) -> Callable[..., Any]:
+    module_part, colon, attribute = spec.rpartition(":")
+    if not colon or not module_part or not attribute:
+        raise UsageError(
+            f"expected MODULE:FACTORY, such as examples/factories.py:gpt_small or "
+            f"mypackage.models:build, got {spec!r}"
+        )
+    module = _import(module_part)
+    target: Any = module
+    for part in attribute.split("."):
+        if not hasattr(target, part):
+            available = sorted(
+                name for name, value in vars(module).items()
+                if callable(value) and not name.startswith("_")
+                and getattr(value, "__module__", None) == module.__name__
+            )
+            raise UsageError(
+                f"{module_part} has no {attribute!r}; callables defined there: "
+                f"{', '.join(available) or '(none)'}"
+            )
+        target = getattr(target, part)
+    if not callable(target):
+        raise UsageError(
+            f"{spec} is not callable (it is {type(target).__name__} {target!r:.40}); give a "
+            f"function or class that returns an nn.Module"
+        )
+    return target
+
+
+def _import(module_part: str) -> ModuleType:
+    is_path = module_part.endswith(".py") or "/" in module_part or os.sep in module_part
+    try:
+        if not is_path:
+            return importlib.import_module(module_part)
+        return _import_file(Path(module_part))
+    except ImportError as error:
+        raise UsageError(f"cannot import {module_part!r}: {error}") from None
+
+
+def _import_file(path: Path) -> ModuleType:
+    if not path.is_file():
+        raise UsageError(f"no such file: {str(path)!r} (give a .py file or a module name)")
+    # As `python file.py` would, let the file import its siblings.
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    name = f"_ckptwrap_factory_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise UsageError(f"cannot load {str(path)!r} as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while it runs
+    spec.loader.exec_module(module)
+    return module
+
+
+# --------------------------------------------------------------------------- the inputs
+
+
+def _parse_shape(text: str) -> Tuple[int, ...]:
+    parts = [part.strip() for part in text.split(",")]
+    if not all(_WHOLE_NUMBER.fullmatch(part) and int(part) > 0 for part in parts):
+        raise UsageError(
+            f"bad --input-shape {text!r}: expected positive integers separated by commas, "
+            f"such as 8,256 or 8,3,128,128"
+        )
+    return tuple(int(part) for part in parts)
+
+
+def _input_dtype(name: Any, high: Any) -> torch.dtype:
+    if high is not None and high < 1:
+        raise UsageError(f"--input-high must be at least 1, got {high}")
+    if name is None:
+        return torch.int64 if high is not None else torch.float32
+    dtype = DTYPES[name]
+    if dtype.is_floating_point and high is not None:
+        raise UsageError(
+            f"--input-high draws integer ids, but --input-dtype is {name}; use --input-dtype "
+            f"long (or int32), or drop --input-high"
+        )
+    if not dtype.is_floating_point and high is None:
+        raise UsageError(
+            f"--input-dtype {name} needs --input-high N (or --vocab N) to draw ids in [0, N)"
+        )
+    return dtype
+
+
+def _device(name: str) -> torch.device:
+    try:
+        return torch.device(name)
+    except RuntimeError as error:
+        raise UsageError(f"bad --device {name!r}: {error}") from None
+
+
+def _make_inputs(
+    shapes: Sequence[Tuple[int, ...]],
+    dtype: torch.dtype,
+    high: Any,
+    device: torch.device,
+    seed: int,
+) -> Tuple[torch.Tensor, ...]:
+    # A private generator on the CPU: the same inputs on every device and run.
+    generator = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        made = [torch.randn(shape, generator=generator).to(dtype) for shape in shapes]
+    else:
+        made = [torch.randint(high, shape, generator=generator, dtype=dtype) for shape in shapes]
+    return tuple(tensor.to(device) for tensor in made)
+
+
+def _try_forward(model: nn.Module, inputs: Tuple[torch.Tensor, ...]) -> None:
+    """Run one forward without autograd, so a wrong input shape or dtype reads as one line
+    rather than as a traceback from deep inside the profiler or the doctor."""
+    try:
+        with torch.no_grad():
+            model(*inputs)
+    except Exception as error:  # whatever the model raises on inputs it cannot take
+        described = ", ".join(
+            f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in inputs
+        )
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        raise UsageError(
+            f"{type(model).__name__} failed on inputs {described}: "
+            f"{type(error).__name__}: {first_line} (check --input-shape, --input-dtype "
+            f"and --input-high)"
+        ) from None
