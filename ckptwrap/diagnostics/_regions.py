@@ -10,7 +10,7 @@ from typing import List, Optional, Tuple
 from torch import nn
 
 from ..wrap._decorator import decorator_options
-from ..wrap._model import _CheckpointedForward, _SegmentMember
+from ..wrap._forwards import _CheckpointedForward, _SegmentMember
 from ..wrap._options import CheckpointOptions
 from ..wrap._wrapper import CheckpointWrapper
 

@@ -15,23 +15,11 @@ from typing import Any, Dict, Optional, Tuple
 
 from torch import nn
 
+from .._hf import is_hf_layer_class
+
 __all__ = ["cache_free_arguments"]
 
 _CACHE_ARGUMENTS = ("past_key_values", "layer_past")
-# Per class, since every checkpointed forward asks (a plain dict, which the compiler reads).
-_HF_LAYER_CLASSES: Dict[type, bool] = {}
-
-
-def _is_hf_checkpointing_layer(cls: type) -> bool:
-    # Checked by name so that transformers is never imported on our account.
-    known = _HF_LAYER_CLASSES.get(cls)
-    if known is None:
-        known = _HF_LAYER_CLASSES[cls] = any(
-            base.__name__ == "GradientCheckpointingLayer"
-            and base.__module__.startswith("transformers")
-            for base in cls.__mro__
-        )
-    return known
 
 
 def cache_free_arguments(
@@ -43,7 +31,7 @@ def cache_free_arguments(
     The cache may come by keyword or by position (GPT-2 passes it second), so arguments
     are matched to the layer's forward signature by name.
     """
-    if not isinstance(module, nn.Module) or not _is_hf_checkpointing_layer(type(module)):
+    if not isinstance(module, nn.Module) or not is_hf_layer_class(type(module)):
         return None
     try:
         bound = _signature(type(module)).bind(module, *args, **kwargs)

@@ -7,22 +7,17 @@ The ``blocks`` policy term rests on it, and so does every picker term (``every``
 from __future__ import annotations
 
 import dataclasses
-import sys
-from typing import Dict, FrozenSet, List, Optional, Sequence, Set, Tuple
+from typing import Dict, FrozenSet, List, Sequence, Set, Tuple
 
 from torch import nn
 from torch.nn.parameter import is_lazy
 
 from .._errors import CheckpointConfigError
+from .._hf import hf_layer_class
 
 __all__ = ["find_blocks"]
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential)
-
-# Where Hugging Face transformers keeps the base class of the layers that its own gradient
-# checkpointing checkpoints; read from sys.modules only, never imported on our account.
-_HF_LAYERS_MODULE = "transformers.modeling_layers"
-_HF_LAYER_CLASS = "GradientCheckpointingLayer"
 
 NamedModules = Sequence[Tuple[str, nn.Module]]
 
@@ -135,18 +130,10 @@ def _groups_in(name: str, container: nn.Module, position: Dict[str, int]) -> Lis
 
 def _declared_layers(named: NamedModules) -> Set[str]:
     """Non-root modules that transformers' own gradient checkpointing would checkpoint."""
-    layer_class = _hf_layer_class()
+    layer_class = hf_layer_class()
     if layer_class is None:
         return set()
     return {name for name, module in named if name and isinstance(module, layer_class)}
-
-
-def _hf_layer_class() -> Optional[type]:
-    # A model built by transformers has imported this module already; if it is absent,
-    # no module can be an instance of the class, and importing it would cost seconds.
-    layers = sys.modules.get(_HF_LAYERS_MODULE)
-    layer_class = getattr(layers, _HF_LAYER_CLASS, None)
-    return layer_class if isinstance(layer_class, type) else None
 
 
 def _outermost(names: Set[str]) -> FrozenSet[str]:
