@@ -3,10 +3,16 @@
 Every block is checkpointed. Configurations take turns step by step (the order rotating
 each round) so that a slow spell of the machine hits all of them alike; each one's
 peak memory is measured in a separate, untimed step. Prints median step time, peak
-memory, ckptwrap's ratios to torch against the targets (time <= 1.02, memory <= 1.00),
-and whether every checkpointed configuration's gradients equal the un-checkpointed ones.
+memory, ckptwrap's ratios to torch against the targets (time <= 1.02 on the CPU and
+<= 1.00 on CUDA, memory <= 1.00), and whether every checkpointed configuration's
+gradients equal the un-checkpointed ones.
 
-    python benchmarks/engine.py [--device cuda] [--steps 7] [--warmup 2]
+On CUDA the step runs under bfloat16 autocast by default (``--dtype``; the parameters
+stay float32, as in mixed-precision training), peak memory is the allocator's
+``torch.cuda.max_memory_allocated`` above the step's start, and timings synchronise
+the device before and after each step. The CPU runs in float32 unless told otherwise.
+
+    python benchmarks/engine.py [--device cuda] [--dtype bfloat16] [--steps 7] [--warmup 2]
 """
 
 from __future__ import annotations
@@ -31,7 +37,20 @@ from gpt import GPT, BlockRunner, GPTConfig, synthetic_batch  # noqa: E402
 
 _MIB = 1024 * 1024
 TIME_TARGET = 1.02
+"""Time ratio target on the CPU, where timings are noisier."""
+CUDA_TIME_TARGET = 1.00
 MEMORY_TARGET = 1.00
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def time_target(device: str) -> float:
+    """The time ratio target (ckptwrap / torch) on ``device``."""
+    return CUDA_TIME_TARGET if torch.device(device).type == "cuda" else TIME_TARGET
+
+
+def default_dtype(device: str) -> str:
+    """bfloat16 on CUDA, float32 elsewhere."""
+    return "bfloat16" if torch.device(device).type == "cuda" else "float32"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,13 +103,19 @@ class Measurement:
         return statistics.median(self.step_ms)
 
 
-def training_step(model: GPT, runner: BlockRunner | None, batch, *, seed: int) -> None:
-    """One forward and backward pass with fresh gradients and a fixed dropout seed."""
+def training_step(
+    model: GPT, runner: BlockRunner | None, batch, *, seed: int, dtype: torch.dtype = torch.float32
+) -> None:
+    """One forward and backward pass with fresh gradients and a fixed dropout seed; the
+    forward runs under autocast to ``dtype`` unless it is float32."""
     tokens, targets = batch
     model.checkpoint_blocks = runner
     model.zero_grad(set_to_none=True)
     torch.manual_seed(seed)
-    model(tokens, targets).backward()
+    device_type = tokens.device.type
+    with torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32):
+        loss = model(tokens, targets)
+    loss.backward()
 
 
 def run_benchmark(
@@ -100,6 +125,7 @@ def run_benchmark(
     steps: int,
     warmup: int,
     device: str = "cpu",
+    dtype: str | None = None,
     contenders: Sequence[Contender] = CONTENDERS,
 ) -> List[Measurement]:
     """Measure every contender on one shared model; the first contender is the reference.
@@ -110,11 +136,13 @@ def run_benchmark(
         steps: Timed steps per contender.
         warmup: Untimed rounds before the timed ones.
         device: Where to run.
+        dtype: Autocast dtype name (see ``DTYPES``); None for the device's default.
         contenders: The configurations, the un-checkpointed one first.
 
     Returns:
         One measurement per contender, in the order given.
     """
+    autocast_dtype = DTYPES[dtype or default_dtype(device)]
     torch.manual_seed(0)
     model = GPT(config).to(device).train()
     batch = synthetic_batch(config, batch_size, seed=0, device=device)
@@ -125,16 +153,16 @@ def run_benchmark(
         # Free the last step's gradients first: on an accelerator, memory freed inside
         # the block would hide as much of the block's own peak.
         model.zero_grad(set_to_none=True)
-        with measure_peak(device) as peak:
-            training_step(model, result.contender.runner, batch, seed=0)
-        result.peak_bytes = peak.peak_bytes
+        result.peak_bytes = _peak_bytes(
+            device, lambda: training_step(model, result.contender.runner, batch, seed=0, dtype=autocast_dtype)
+        )
         result.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     for round_index in range(warmup + steps):
         shift = round_index % len(results)
         for result in results[shift:] + results[:shift]:
             _synchronize(device)
             start = time.perf_counter()
-            training_step(model, result.contender.runner, batch, seed=round_index + 1)
+            training_step(model, result.contender.runner, batch, seed=round_index + 1, dtype=autocast_dtype)
             _synchronize(device)
             if round_index >= warmup:
                 result.step_ms.append((time.perf_counter() - start) * 1000)
@@ -149,19 +177,20 @@ def grads_equal(reference: Measurement, other: Measurement) -> bool:
     )
 
 
-def meets_targets(results: Sequence[Measurement]) -> Dict[str, bool]:
-    """For each ckptwrap contender, whether both its ratios to torch meet the targets."""
+def meets_targets(results: Sequence[Measurement], device: str = "cpu") -> Dict[str, bool]:
+    """For each ckptwrap contender, whether both its ratios to torch meet the targets on
+    ``device``."""
     by_name = {result.contender.name: result for result in results}
     verdicts = {}
     for result in results:
         baseline = by_name.get(result.contender.baseline)
         if baseline is not None:
             time_ratio, memory_ratio = _ratios(result, baseline)
-            verdicts[result.contender.name] = time_ratio <= TIME_TARGET and memory_ratio <= MEMORY_TARGET
+            verdicts[result.contender.name] = time_ratio <= time_target(device) and memory_ratio <= MEMORY_TARGET
     return verdicts
 
 
-def format_table(results: Sequence[Measurement]) -> str:
+def format_table(results: Sequence[Measurement], device: str = "cpu") -> str:
     """The results as a text table; ratios are ckptwrap / torch for the same variant."""
     by_name = {result.contender.name: result for result in results}
     reference = results[0]
@@ -175,7 +204,7 @@ def format_table(results: Sequence[Measurement]) -> str:
         if baseline is not None:
             time_ratio, memory_ratio = _ratios(result, baseline)
             time_cell, memory_cell = f"{time_ratio:.3f}", f"{memory_ratio:.3f}"
-            targets = (("time", time_ratio, TIME_TARGET), ("mem", memory_ratio, MEMORY_TARGET))
+            targets = (("time", time_ratio, time_target(device)), ("mem", memory_ratio, MEMORY_TARGET))
             missed = [label for label, ratio, target in targets if ratio > target]
             verdict = "pass" if not missed else "FAIL " + "+".join(missed)
         if result is reference:
@@ -208,6 +237,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", help="cpu, cuda or another accelerator")
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), default=None,
+        help="autocast dtype of the forward (default: bfloat16 on cuda, float32 elsewhere)",
+    )
     parser.add_argument("--steps", type=int, default=7, help="timed steps per configuration (>= 1)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds before timing")
     parser.add_argument("--layers", type=int, default=12, help="transformer blocks")
@@ -230,23 +263,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = GPTConfig(width=args.width, heads=args.heads, layers=args.layers, seq_len=args.seq_len)
     except ValueError as error:
         parser.error(str(error))
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda was given, but torch.cuda.is_available() is False")
+    dtype = args.dtype or default_dtype(args.device)
     print(
         f"GPT stack: {config.layers} blocks, width {config.width}, {config.heads} heads, sequence "
-        f"{config.seq_len}, batch {args.batch}, every block checkpointed; {args.device}, "
+        f"{config.seq_len}, batch {args.batch}, every block checkpointed; {args.device}, {dtype}"
+        f"{' autocast' if dtype != 'float32' else ''}, "
         f"torch {torch.__version__}, CPU threads: {torch.get_num_threads()}; {args.warmup} warm-up "
         f"rounds, median of {args.steps} steps (peak memory from a separate step)"
     )
     started = time.perf_counter()
     results = run_benchmark(
-        config, batch_size=args.batch, steps=args.steps, warmup=args.warmup, device=args.device
+        config, batch_size=args.batch, steps=args.steps, warmup=args.warmup, device=args.device, dtype=dtype
     )
-    print(format_table(results))
-    print(f"targets: time ratio <= {TIME_TARGET:.2f}, memory ratio <= {MEMORY_TARGET:.2f} (ckptwrap / torch)")
+    print(format_table(results, args.device))
+    print(
+        f"targets: time ratio <= {time_target(args.device):.2f}, memory ratio <= {MEMORY_TARGET:.2f} "
+        "(ckptwrap / torch)"
+    )
     print(f"total {time.perf_counter() - started:.0f} s")
     all_equal = all(grads_equal(results[0], result) for result in results[1:])
     if not all_equal:
         print("error: some gradients differ from the un-checkpointed run", file=sys.stderr)
-    return 0 if all_equal and (not args.strict or all(meets_targets(results).values())) else 1
+    return 0 if all_equal and (not args.strict or all(meets_targets(results, args.device).values())) else 1
 
 
 def _ratios(result: Measurement, baseline: Measurement) -> tuple[float, float]:
@@ -267,8 +307,27 @@ def _align(row: Sequence[str], widths: Sequence[int]) -> List[str]:
 
 def _synchronize(device: str) -> None:
     """Wait for queued device work, so that a step's time includes it."""
-    if torch.device(device).type != "cpu":
+    kind = torch.device(device).type
+    if kind == "cuda":
+        torch.cuda.synchronize(device)
+    elif kind != "cpu":
         torch.accelerator.synchronize()
+
+
+def _peak_bytes(device: str, step) -> int:
+    """Peak bytes ``step()`` allocates above what is allocated when it starts: on CUDA
+    read from the allocator (``torch.cuda.max_memory_allocated``), elsewhere measured by
+    ``measure_peak``."""
+    if torch.device(device).type != "cuda":
+        with measure_peak(device) as peak:
+            step()
+        return peak.peak_bytes
+    _synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    start = torch.cuda.memory_allocated(device)
+    step()
+    _synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - start
 
 
 if __name__ == "__main__":

@@ -19,8 +19,12 @@ import weakref
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 
 import torch
-from torch._C._autograd import SavedTensor, _make_saved_tensor
 from torch.autograd.graph import saved_tensors_hooks
+
+try:
+    from torch._C._autograd import _make_saved_tensor
+except ImportError:  # torch before 2.12: saved through a no-op Function instead
+    _make_saved_tensor = None
 
 from .._errors import CheckpointError
 from . import _device, _state, _tree
@@ -65,25 +69,56 @@ class _SavedInputs:
     references, and an in-place change before backward is reported by autograd.
     """
 
-    __slots__ = ("_items", "_spec", "devices")
+    __slots__ = ("_items", "_spec", "_saved", "devices")
 
     def __init__(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         if kwargs or not all(_is_simple(a) for a in args):
             leaves, self._spec = _tree.flatten((args, kwargs))
         else:
             leaves, self._spec = list(args), None
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         # The accelerators whose RNG state the recomputation must replay.
-        self.devices = _device.devices_of(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
-        self._items = [
-            _make_saved_tensor(leaf, is_output=False) if isinstance(leaf, torch.Tensor) else leaf
-            for leaf in leaves
-        ]
+        self.devices = _device.devices_of(tensors)
+        self._items = [_SLOT if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        if _make_saved_tensor is not None:
+            self._saved: Any = [_make_saved_tensor(t, is_output=False) for t in tensors]
+        else:
+            self._saved = _save_through_function(tensors)
 
     def restore(self) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
-        leaves = [item.unpack() if isinstance(item, SavedTensor) else item for item in self._items]
+        if isinstance(self._saved, list):
+            tensors = iter([saved.unpack() for saved in self._saved])
+        else:
+            tensors = iter(self._saved.saved_tensors[1:])  # after the anchor
+        leaves = [next(tensors) if item is _SLOT else item for item in self._items]
         if self._spec is None:
             return tuple(leaves), {}
         return _tree.unflatten(leaves, self._spec)
+
+
+_SLOT = object()  # where a tensor goes back among a region's arguments
+
+
+class _SaveInputs(torch.autograd.Function):
+    """Saves its inputs for a backward that never runs: the node is kept only to read
+    them back (``node.saved_tensors``), through the same saved-tensor hooks."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(anchor, *tensors)
+        return anchor.new_empty((0,))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
+        raise RuntimeError("the node that keeps a region's inputs is never differentiated")
+
+
+def _save_through_function(tensors: List[torch.Tensor]) -> Any:
+    """The graph node of a no-op Function that saved ``tensors``; an anchor that requires
+    grad makes autograd record the node whatever the tensors require."""
+    with torch.enable_grad():
+        anchor = torch.empty((0,), requires_grad=True)
+        return _SaveInputs.apply(anchor, *tensors).grad_fn
 
 
 def _is_simple(value: Any) -> bool:

@@ -18,6 +18,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ..engine import checkpoint, is_recomputing
 from ._clients import without_cache_writes
 from ._distributed import check_reentrant_region
+from ._offload import default_offloader
 from ._options import CheckpointOptions
 from ._switch import is_disabled
 
@@ -145,16 +146,21 @@ def _disabled_when_compiled() -> bool:
 def run_offloaded(
     owner: torch.nn.Module, call: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]
 ) -> Any:
-    """Call ``call`` keeping the tensors it saves for backward in CPU memory.
+    """Call ``call`` keeping the tensors it saves for backward in host memory.
 
-    Nothing is recomputed; saved tensors of CUDA regions go to pinned host memory and come
-    back in backward. On the CPU this moves nothing and only marks the region.
+    Nothing is recomputed. On CUDA (and accelerators with streams) saved tensors go to
+    pinned host buffers on a side stream and come back ahead of the region's backward
+    (see ``_offload``); on the CPU this moves nothing and only marks the region.
     """
-    if _switched_off(torch.compiler.is_compiling()):
+    compiling = torch.compiler.is_compiling()
+    if _switched_off(compiling):
         return call(*args, **kwargs)
-    # Pinned host memory speeds copies from CUDA and needs CUDA; whether CUDA is in use is
-    # one flag read, where asking the module would walk its parameters on every call.
-    with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_initialized()):
+    if compiling:
+        # The compiler traces torch's own hooks but not streams and finalizers in Python.
+        # Pinned memory needs CUDA; whether it is in use is one flag read.
+        with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_initialized()):
+            return call(*args, **kwargs)
+    with default_offloader().region(owner):
         return call(*args, **kwargs)
 
 
