@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .._errors import CheckpointConfigError
+from ._costs import as_example
 from ._forwards import _CheckpointedForward, _SegmentMember
 from ._plan import Plan
 from ._planning import _select, plan
 from ._ranks import agreed_plan
+from ._shapes import ShapePlans, Shapes, bucket_of, describe, input_shapes
 
 __all__ = ["wrap_model", "unwrap_model", "PLAN_ATTRIBUTE"]
 
@@ -33,6 +36,7 @@ def wrap_model(
     nested: bool = False,
     example_inputs: Any = None,
     example_kwargs: Optional[Dict[str, Any]] = None,
+    follow_shapes: Optional[bool] = None,
     **options: Any,
 ) -> nn.Module:
     """Checkpoint the submodules ``policy`` selects, in place, and return the model.
@@ -43,7 +47,11 @@ def wrap_model(
 
     A ``budget:`` policy needs measured costs: with ``example_inputs`` they are measured
     now; without, on the model's first training forward (with autograd on), which then
-    applies the plan before running on and says so once.
+    applies the plan before running on and says so once. A plan serves the inputs of its
+    shape bucket (every tensor dimension rounded up to a power of two) that are nowhere
+    larger than those it was measured on; a training forward that no plan made so far
+    serves is measured and planned for before it goes on, and says so. The plans of the
+    16 most recently used buckets are kept.
 
     Args:
         model: The model to change in place.
@@ -51,18 +59,29 @@ def wrap_model(
         nested: See :func:`plan`.
         example_inputs: See :func:`plan`.
         example_kwargs: See :func:`plan`.
+        follow_shapes: For a ``budget:`` policy, whether a training forward with inputs of
+            new shapes plans again. ``None`` (the default) does so except in an initialised
+            process group of two or more ranks: planning there is a collective (every rank
+            applies one plan), which every rank must reach at the same step, so pass
+            ``True`` only if every rank sees the same input shapes at the same steps.
+            ``False`` keeps the first plan for every shape.
         **options: Engine options of :func:`ckptwrap.checkpoint`.
 
     Returns:
         ``model`` itself.
 
     Raises:
-        CheckpointConfigError: As :func:`plan`.
+        CheckpointConfigError: As :func:`plan`; or ``follow_shapes`` is not a bool or None.
 
     Example:
         >>> model = wrap_model(AutoModelForCausalLM.from_config(cfg), "every:2")
         >>> print(model.ckptwrap_plan)
     """
+    if follow_shapes is not None and not isinstance(follow_shapes, bool):
+        raise CheckpointConfigError(
+            f"follow_shapes must be True, False or None (the default: plan again for new "
+            f"input shapes except in a process group), got {follow_shapes!r}."
+        )
     # Everything that can be checked without costs is checked now.
     unmeasured, budget = _select(model, policy, nested, options)
     if budget is not None and _applied_already(model, unmeasured):
@@ -73,7 +92,7 @@ def wrap_model(
         if budget is not None:
             _remove_pending(model)
             model.register_forward_pre_hook(
-                _PlanOnFirstForward(policy, nested, options), with_kwargs=True
+                _PlanPerShape(policy, nested, options, follow_shapes), with_kwargs=True
             )
             setattr(model, PLAN_ATTRIBUTE, dataclasses.replace(unmeasured, pending=True))
             return model
@@ -83,7 +102,15 @@ def wrap_model(
         model, policy, nested=nested, example_inputs=example_inputs,
         example_kwargs=example_kwargs, **options,
     )
-    _apply(model, agreed_plan(model, applied) if budget is not None else applied)
+    if budget is None:
+        _apply(model, applied)
+        return model
+    applied = agreed_plan(model, applied)
+    _remove_pending(model)
+    _apply(model, applied)
+    hook = _PlanPerShape(policy, nested, options, follow_shapes)
+    hook.seed(input_shapes(*as_example(example_inputs, example_kwargs)), applied)
+    model.register_forward_pre_hook(hook, with_kwargs=True)
     return model
 
 
@@ -99,6 +126,13 @@ def _applied_already(model: nn.Module, unmeasured: Plan) -> bool:
 
 
 def _apply(model: nn.Module, applied: Plan) -> None:
+    modules = _mark(model, applied)
+    setattr(model, PLAN_ATTRIBUTE, _recorded(model, applied, modules))
+
+
+def _mark(model: nn.Module, applied: Plan) -> Dict[str, nn.Module]:
+    """Give the modules ``applied`` selects their checkpointed forwards; returns the
+    model's modules by name."""
     modules = dict(model.named_modules())
     offload = applied.tier == "offload"
     members: Dict[str, _SegmentMember] = {}
@@ -120,7 +154,18 @@ def _apply(model: nn.Module, applied: Plan) -> None:
         module.forward = _CheckpointedForward(
             module, applied.options, module.__dict__.get("forward"), offload, tuple(chain)
         )
-    setattr(model, PLAN_ATTRIBUTE, _recorded(model, applied, modules))
+    return modules
+
+
+def _unmark(modules: Iterable[nn.Module]) -> None:
+    """Take the checkpointed forwards ``wrap_model`` gave off ``modules``."""
+    for module in modules:
+        forward = module.__dict__.get("forward")
+        if isinstance(forward, (_CheckpointedForward, _SegmentMember)):
+            if forward.previous is not None:
+                module.forward = forward.previous
+            else:
+                del module.forward
 
 
 def _recorded(model: nn.Module, applied: Plan, modules: Dict[str, nn.Module]) -> Plan:
@@ -153,42 +198,162 @@ def _recorded(model: nn.Module, applied: Plan, modules: Dict[str, nn.Module]) ->
     )
 
 
-class _PlanOnFirstForward:
-    """Forward pre-hook: measure on the first training forward, plan, wrap, then go away."""
+class _PlanPerShape:
+    """Forward pre-hook of a model wrapped with a ``budget:`` policy: it plans on the first
+    training forward, and again on one whose inputs no plan made so far serves (the bucket
+    rule of ``_shapes``), switching the marks before that forward goes on.
 
-    def __init__(self, policy: Any, nested: bool, options: Dict[str, Any]) -> None:
+    Switching only between forwards is safe for a backward still pending: each forward
+    captured the function and options it ran with, and its recomputation uses those.
+    """
+
+    def __init__(
+        self, policy: Any, nested: bool, options: Dict[str, Any], follow_shapes: Optional[bool]
+    ) -> None:
         self.policy = policy
         self.nested = nested
         self.options = options
+        self.follow_shapes = follow_shapes
+        self.plans = ShapePlans()
+        self.applied: Optional[Plan] = None  # the plan whose modules this hook marked
+        self.noted: set = set()  # buckets left unplanned, said so once each
         self.busy = False
+
+    def seed(self, shapes: Shapes, applied: Plan) -> None:
+        """Start from ``applied``, made by ``wrap_model`` on inputs of ``shapes``."""
+        self.plans.add(shapes, applied)
+        self.applied = applied
 
     def __call__(self, model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         if self.busy or not torch.is_grad_enabled() or not model.training:
             return None
+        if self.applied is not None and torch.compiler.is_compiling():
+            return None  # compiled code keeps the plan it was traced with
+        shapes = input_shapes(args, kwargs)
+        found = self.plans.find(shapes, prefer=self.applied)
+        if found is not None:
+            if found is not self.applied:
+                record = model.__dict__.get(PLAN_ATTRIBUTE)
+                _unmark(_named(model, self.applied))
+                self._mark_recorded(model, found, record)
+            return None
+        if self.applied is not None and not self._following():
+            self._note(model, shapes)
+            return None
+        new_bucket = not self.plans.knows(shapes)
+        first = self.applied is None
+        applied = self._plan(model, args, kwargs, shapes)
+        self.plans.add(shapes, applied)
+        peak = f"{(applied.predicted_peak or 0) / 2**20:.1f} MiB of activations predicted at the peak"
+        if first:
+            warnings.warn(
+                f"ckptwrap measured {type(model).__name__} on its first training forward and "
+                f"applied {applied.policy!r}: {len(applied)} module(s) checkpointed, {peak} "
+                f"(model.ckptwrap_plan has the details).",
+                stacklevel=2,
+            )
+        else:
+            why = "a new shape bucket" if new_bucket else "larger than its bucket's plans were measured at"
+            warnings.warn(
+                f"ckptwrap measured {type(model).__name__} again on a training forward with "
+                f"inputs of shapes {describe(shapes)} ({why}) and applied {applied.policy!r}: "
+                f"{len(applied)} module(s) checkpointed, {peak} (plans are kept per shape "
+                f"bucket; model.ckptwrap_plan has the details).",
+                stacklevel=2,
+            )
+        return None
+
+    def _plan(
+        self, model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], shapes: Shapes
+    ) -> Plan:
+        """Measure and plan on these inputs and apply the plan, or leave all as it was."""
+        record = model.__dict__.get(PLAN_ATTRIBUTE)
+        previous = self.applied
+        marks = [(module, module.__dict__.get("forward")) for module in _named(model, previous)]
+        _unmark(module for module, _ in marks)  # measured as it runs without this hook's marks
         self.busy = True  # profiling runs the model's forward again
         try:
-            applied = plan(
+            made = plan(
                 model, self.policy, nested=self.nested, example_inputs=args,
                 example_kwargs=kwargs, **self.options,
             )
+            made = agreed_plan(model, made)
+        except BaseException as error:
+            for module, forward in marks:
+                if forward is not None:
+                    module.forward = forward
+            if record is not None:
+                setattr(model, PLAN_ATTRIBUTE, record)
+            if previous is None or not isinstance(error, CheckpointConfigError):
+                raise
+            raise CheckpointConfigError(
+                f"{type(model).__name__} got a training forward with inputs of shapes "
+                f"{describe(shapes)}, which no plan made so far serves, and planning "
+                f"{previous.policy!r} for them failed; the previous plan is still applied. "
+                f"{error}"
+            ) from error
         finally:
             self.busy = False
-        applied = agreed_plan(model, applied)
-        _remove_pending(model)
-        _apply(model, applied)
+        if previous is None:
+            _apply(model, made)
+            self.applied = made
+        else:
+            self._mark_recorded(model, made, record)
+        return made
+
+    def _mark_recorded(self, model: nn.Module, new: Plan, record: Any) -> None:
+        """Mark ``new``'s modules (this hook's old ones are unmarked) and record it as the
+        model's plan, beside what other wrappings marked."""
+        modules = _mark(model, new)
+        old = set(self.applied.names) if self.applied is not None else set()
+        self.applied = new
+        if not isinstance(record, Plan) or record.pending:
+            setattr(model, PLAN_ATTRIBUTE, new)
+            return
+        order = {name: position for position, name in enumerate(modules)}
+        others = [entry for entry in record.selected if entry.name not in old]
+        selected = sorted([*others, *new.selected], key=lambda entry: order[entry.name])
+        names = {entry.name for entry in selected}
+        setattr(model, PLAN_ATTRIBUTE, dataclasses.replace(
+            new,
+            policy=record.policy,
+            selected=tuple(selected),
+            dropped=tuple(item for item in new.dropped if item[0] not in names),
+        ))
+
+    def _following(self) -> bool:
+        if self.follow_shapes is not None:
+            return self.follow_shapes
+        return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+
+    def _note(self, model: nn.Module, shapes: Shapes) -> None:
+        bucket = bucket_of(shapes)
+        if self.follow_shapes is False or bucket in self.noted:
+            return
+        self.noted.add(bucket)
         warnings.warn(
-            f"ckptwrap measured {type(model).__name__} on its first training forward and "
-            f"applied {applied.policy!r}: {len(applied)} module(s) checkpointed, "
-            f"{(applied.predicted_peak or 0) / 2**20:.1f} MiB of activations predicted at the peak "
-            f"(model.ckptwrap_plan has the details).",
-            stacklevel=2,
+            f"{type(model).__name__} got a training forward with inputs of shapes "
+            f"{describe(shapes)}, which the applied {self.policy!r} plan was not measured "
+            f"for, so an absolute budget may be exceeded. In a process group of "
+            f"{dist.get_world_size()} ranks ckptwrap does not plan again on its own: planning "
+            f"is a collective, and ranks may see other shapes at this step. Pass "
+            f"follow_shapes=True to wrap_model if every rank sees the same shapes at the same "
+            f"steps, or plan up front with example_inputs of the largest shapes (the same on "
+            f"every rank).",
+            stacklevel=3,
         )
-        return None
+
+
+def _named(model: nn.Module, applied: Optional[Plan]) -> List[nn.Module]:
+    """The modules ``applied`` selects (none for no plan)."""
+    modules = dict(model.named_modules())
+    return [modules[name] for name in (applied.names if applied else []) if name in modules]
 
 
 def _remove_pending(model: nn.Module) -> None:
+    """Remove the hook that plans a ``budget:`` policy, with the plans it keeps."""
     for key, hook in list(model._forward_pre_hooks.items()):
-        if isinstance(hook, _PlanOnFirstForward):
+        if isinstance(hook, _PlanPerShape):
             del model._forward_pre_hooks[key]
             model._forward_pre_hooks_with_kwargs.pop(key, None)
 
@@ -207,13 +372,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     """
     if not isinstance(model, nn.Module):
         raise CheckpointConfigError(f"expected an nn.Module to unwrap, got {type(model).__name__}.")
-    for module in model.modules():
-        forward = module.__dict__.get("forward")
-        if isinstance(forward, (_CheckpointedForward, _SegmentMember)):
-            if forward.previous is not None:
-                module.forward = forward.previous
-            else:
-                del module.forward
+    _unmark(model.modules())
     _remove_pending(model)
     model.__dict__.pop(PLAN_ATTRIBUTE, None)
     return model
