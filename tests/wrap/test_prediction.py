@@ -9,20 +9,16 @@ from __future__ import annotations
 
 import copy
 import sys
-import threading
-import weakref
 from pathlib import Path
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, NamedTuple, Optional, Tuple
 
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
-import ckptwrap
 from ckptwrap import plan, wrap_model
 
+from ._meter import ActivationMeter
 from ._models import SEQ, VOCAB, TinyGPT, make, marked
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -32,58 +28,6 @@ from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 TOLERANCE = 0.10
 """The predicted peak must be within this share of the measured one."""
 _MIB = float(1 << 20)
-
-
-class _ActivationMeter(TorchDispatchMode):
-    """Peak live bytes of the storages that the forward or a recomputation creates.
-
-    Once ``in_backward`` is set, only storages created while ``ckptwrap.is_recomputing()``
-    count: gradients and backward's temporaries do not.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.in_backward = False
-        self.peak = 0
-        self._live = 0
-        self._sizes: Dict[int, int] = {}
-        self._freed: List[int] = []  # finalizers may run mid-update, so they only append
-        self._finalizers: List[weakref.finalize] = []
-        self._lock = threading.Lock()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if self.in_backward and not ckptwrap.is_recomputing():
-            return out
-        # An output sharing an input's storage is a view or an in-place result: not new.
-        inputs = {_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor):
-                storage = leaf.untyped_storage()
-                key = storage._cdata
-                with self._lock:
-                    if key in inputs or key in self._sizes:
-                        continue
-                    self._sizes[key] = storage.nbytes()
-                    self._finalizers.append(weakref.finalize(storage, self._release, key))
-                    while self._freed:
-                        self._live -= self._freed.pop()
-                    self._live += storage.nbytes()
-                    self.peak = max(self.peak, self._live)
-        return out
-
-    def _release(self, key: int) -> None:
-        # Forget the address at once: a new storage may take it before the next count.
-        self._freed.append(self._sizes.pop(key, 0))
-
-    def __exit__(self, *exc):
-        for finalizer in self._finalizers:
-            finalizer.detach()
-        return super().__exit__(*exc)
-
-
-def _key(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage()._cdata
 
 
 class _Workload(NamedTuple):
@@ -134,7 +78,7 @@ def _measured_peak(model: nn.Module, workload: _Workload) -> int:
     """The activation peak of one training step of ``model`` on the workload's inputs."""
     model.zero_grad(set_to_none=True)
     torch.manual_seed(1)
-    with _ActivationMeter() as meter:
+    with ActivationMeter() as meter:
         loss = workload.loss(model(*workload.inputs))
         meter.in_backward = True
         loss.backward()

@@ -2,7 +2,7 @@
 far serves is profiled and planned before it goes on, and plans are kept per shape bucket.
 
 Every step is compared with the plain model on the same inputs and seed; the activation
-peak is measured with the meter of ``test_prediction`` and compared with the applied
+peak is measured with the meter of ``_meter`` and compared with the applied
 plan's own prediction; profiling is counted by wrapping the planner's ``profile_modules``.
 """
 
@@ -25,7 +25,8 @@ from ckptwrap import plan, unwrap_model, wrap_model
 from ckptwrap._errors import CheckpointConfigError
 
 from ._models import assert_same, grads, marked, markings
-from .test_prediction import TOLERANCE, _ActivationMeter
+from ._meter import ActivationMeter
+from .test_prediction import TOLERANCE
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402
@@ -61,7 +62,7 @@ def _peak(model: torch.nn.Module, length: int) -> int:
     """The activation peak of one training step (forward and recomputation storages)."""
     model.zero_grad(set_to_none=True)
     torch.manual_seed(1)
-    with _ActivationMeter() as meter:
+    with ActivationMeter() as meter:
         loss = model(*_batch(length))
         meter.in_backward = True
         loss.backward()
