@@ -8,13 +8,16 @@ transformers on our account would cost seconds.
 
 from __future__ import annotations
 
+import copy
 import sys
-from typing import Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
-__all__ = ["hf_layer_class", "is_hf_layer_class"]
+__all__ = ["fresh_caches", "hf_layer_class", "is_hf_layer_class"]
 
 _LAYERS_MODULE = "transformers.modeling_layers"
 _LAYER_CLASS = "GradientCheckpointingLayer"
+_CACHE_MODULE = "transformers.cache_utils"
+_CACHE_CLASS = "Cache"
 
 # Per class, since every checkpointed forward asks (a plain dict, which the compiler
 # reads). Sound because a class can only derive from the layer class once it exists.
@@ -35,3 +38,21 @@ def is_hf_layer_class(cls: type) -> bool:
         layer_class = hf_layer_class()
         known = _KNOWN[cls] = layer_class is not None and issubclass(cls, layer_class)
     return known
+
+
+def fresh_caches(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+    """``args`` and ``kwargs`` with every transformers KV cache among them deep-copied.
+
+    A run of the model that is not the caller's own (a measurement) writes keys and values
+    into the cache it is given; on a copy, the caller's cache stays as the caller left it
+    and the next run does not find it written already.
+    """
+    cache_class = getattr(sys.modules.get(_CACHE_MODULE), _CACHE_CLASS, None)
+    if not isinstance(cache_class, type):
+        return args, kwargs
+    memo: Dict[int, Any] = {}  # one cache passed twice stays one object
+
+    def fresh(value: Any) -> Any:
+        return copy.deepcopy(value, memo) if isinstance(value, cache_class) else value
+
+    return tuple(fresh(a) for a in args), {key: fresh(value) for key, value in kwargs.items()}

@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 
+from .._hf import fresh_caches
 from ._clients import cache_free_arguments
 from ._peak import _StorageCounter
 from ._progress import ProgressBar
@@ -120,8 +121,10 @@ class Session:
         handles: List[Any] = []
         try:
             handles += self._hook(self._memory_pre, self._memory_post)
+            # Each pass writes into its own copy of any KV cache given, not the caller's.
+            args, kwargs = fresh_caches(self._args, self._kwargs)
             with torch.enable_grad(), saving(self._base):
-                output = self._model(*self._args, **self._kwargs)
+                output = self._model(*args, **kwargs)
             del output
             self._end_pass()
             for handle in handles:
@@ -132,8 +135,9 @@ class Session:
                 self.start_rng.restore()
                 self._bar.set_label("timing")
                 handles += self._hook(self._time_pre, self._time_post)
+                args, kwargs = fresh_caches(self._args, self._kwargs)
                 with torch.no_grad():
-                    output = self._model(*self._args, **self._kwargs)
+                    output = self._model(*args, **kwargs)
                 del output
                 self._end_pass()
         finally:

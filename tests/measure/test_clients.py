@@ -79,3 +79,22 @@ def test_layers_with_the_default_cache_are_measured_as_without_it(transformers, 
     for layer in layers:
         assert with_cache[layer].calls == 1
         assert _figures(with_cache, layer) == _figures(without, layer), layer
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_a_cache_passed_in_is_measured_on_copies_and_left_as_it_was(transformers, name):
+    torch.manual_seed(0)
+    model = BUILDERS[name](transformers).train()
+    kinds = ("Block", "DecoderLayer")
+    layers = [n for n, m in model.named_modules() if type(m).__name__.endswith(kinds)]
+    cache = transformers.DynamicCache()
+    given = {**_batch(), "past_key_values": cache, "use_cache": True}
+    # Before, both passes wrote into the one cache, and the second no longer fit the mask.
+    with_cache = profile_modules(model, layers, (), given, repeats=1)
+    assert cache.get_seq_length() == 0, "profiling wrote into the caller's cache"
+    without = profile_modules(model, layers, (), {**_batch(), "use_cache": False}, repeats=0)
+    for layer in layers:
+        assert _figures(with_cache, layer) == _figures(without, layer), layer
+    # The plain model's own forward on that cache still runs, as if nothing had been measured.
+    model(**given).loss.backward()
+    assert cache.get_seq_length() == _batch()["input_ids"].shape[1]
