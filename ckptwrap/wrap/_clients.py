@@ -9,11 +9,11 @@ The profiler runs candidate layers the same way (``measure._clients``).
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Dict, Tuple
 
 from torch import nn
 
+from .._warn import warn
 from ..measure._clients import cache_free_arguments
 
 __all__ = ["without_cache_writes"]
@@ -33,9 +33,8 @@ def without_cache_writes(
         return args, kwargs
     if type(module) not in _warned:
         _warned.add(type(module))
-        warnings.warn(
+        warn(
             f"{type(module).__name__} is checkpointed in training, so it runs without writing "
             f"the KV cache (use_cache=False), as with transformers' own gradient checkpointing.",
-            stacklevel=5,
         )
     return rewritten

@@ -6,7 +6,6 @@ one for a module that runs inside the segment of the module before it.
 from __future__ import annotations
 
 import functools
-import warnings
 import weakref
 from typing import Any, Callable, Dict, Optional, Tuple
 
@@ -15,6 +14,7 @@ from torch import nn
 from torch.nn.modules.module import _global_forward_pre_hooks
 
 from .._errors import CheckpointConfigError
+from .._warn import warn
 from ._decorator import decorator_options
 from ._options import CheckpointOptions
 from ._region import RngSnapshot, region_switched_off, run_offloaded, run_region, run_segment
@@ -176,13 +176,12 @@ def _warn_broken_segment(module: nn.Module) -> None:
     if module in _warned_segments:
         return
     _warned_segments.add(module)
-    warnings.warn(
+    warn(
         f"{type(module).__name__} was planned to run in one checkpointed segment with the "
         f"module before it, but the model's forward did not call it on that module's output "
         f"alone (or drew random numbers in between); it now runs as a region of its own, and "
         f"the segment's work for it was wasted. Plan again on inputs that take this path "
         f"(wrap_model(..., example_inputs=...)).",
-        stacklevel=3,
     )
 
 

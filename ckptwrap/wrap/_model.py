@@ -9,7 +9,6 @@ and after unwrapping.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -17,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .._errors import CheckpointConfigError
+from .._warn import warn
 from ._costs import as_example
 from ._forwards import _CheckpointedForward, _SegmentMember
 from ._plan import Plan
@@ -246,20 +246,18 @@ class _PlanPerShape:
         self.plans.add(shapes, applied)
         peak = f"{(applied.predicted_peak or 0) / 2**20:.1f} MiB of activations predicted at the peak"
         if first:
-            warnings.warn(
+            warn(
                 f"ckptwrap measured {type(model).__name__} on its first training forward and "
                 f"applied {applied.policy!r}: {len(applied)} module(s) checkpointed, {peak} "
                 f"(model.ckptwrap_plan has the details).",
-                stacklevel=2,
             )
         else:
             why = "a new shape bucket" if new_bucket else "larger than its bucket's plans were measured at"
-            warnings.warn(
+            warn(
                 f"ckptwrap measured {type(model).__name__} again on a training forward with "
                 f"inputs of shapes {describe(shapes)} ({why}) and applied {applied.policy!r}: "
                 f"{len(applied)} module(s) checkpointed, {peak} (plans are kept per shape "
                 f"bucket; model.ckptwrap_plan has the details).",
-                stacklevel=2,
             )
         return None
 
@@ -331,7 +329,7 @@ class _PlanPerShape:
         if self.follow_shapes is False or bucket in self.noted:
             return
         self.noted.add(bucket)
-        warnings.warn(
+        warn(
             f"{type(model).__name__} got a training forward with inputs of shapes "
             f"{describe(shapes)}, which the applied {self.policy!r} plan was not measured "
             f"for, so an absolute budget may be exceeded. In a process group of "
@@ -340,7 +338,6 @@ class _PlanPerShape:
             f"follow_shapes=True to wrap_model if every rank sees the same shapes at the same "
             f"steps, or plan up front with example_inputs of the largest shapes (the same on "
             f"every rank).",
-            stacklevel=3,
         )
 
 

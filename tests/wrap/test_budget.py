@@ -190,6 +190,14 @@ def test_without_example_inputs_the_first_training_forward_measures_and_applies(
         step(model, gpt_loss, gpt_batch())
 
 
+def test_the_first_forward_note_points_at_the_callers_line():
+    model = wrap_model(_model(), "budget:50%")
+    with pytest.warns(UserWarning, match="first training forward") as record:
+        model(gpt_batch()[0])
+    # Not a line of torch's Module.__call__, which runs the hook, nor one of ckptwrap's.
+    assert [w.filename for w in record] == [__file__]
+
+
 def test_pending_plans_pickle_and_unwrap():
     model = wrap_model(_model(), "budget:50%")
     copied = pickle.loads(pickle.dumps(model))

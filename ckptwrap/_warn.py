@@ -1,0 +1,30 @@
+"""Warnings that point at the user's line, not at torch's or ours.
+
+Most of ckptwrap's warnings are raised from inside a module's call (a forward pre-hook, a
+checkpointed forward), where a fixed ``stacklevel`` would name a line of torch's
+``Module.__call__``, which differs between torch versions and under the compiler.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from typing import Type
+
+import torch
+
+__all__ = ["warn"]
+
+_OURS = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+
+
+def warn(message: str, category: Type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` attributed to the innermost frame outside ckptwrap and torch."""
+    level = 2  # 1 would be this function; 2 its caller
+    frame = sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith((_OURS, _TORCH)):
+        frame = frame.f_back
+        level += 1
+    warnings.warn(message, category, stacklevel=level if frame is not None else 2)
