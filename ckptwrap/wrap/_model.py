@@ -19,7 +19,7 @@ from .._errors import CheckpointConfigError
 from .._warn import warn
 from ._costs import as_example
 from ._forwards import _CheckpointedForward, _SegmentMember
-from ._plan import Plan
+from ._plan import Plan, PlanEntry
 from ._planning import _select, plan
 from ._ranks import agreed_plan
 from ._shapes import ShapePlans, Shapes, bucket_of, describe, input_shapes
@@ -183,8 +183,7 @@ def _recorded(model: nn.Module, applied: Plan, modules: Dict[str, nn.Module]) ->
         if entry.name in modules
         and isinstance(modules[entry.name].__dict__.get("forward"), (_CheckpointedForward, _SegmentMember))
     ]
-    order = {name: position for position, name in enumerate(modules)}
-    selected = sorted([*kept, *applied.selected], key=lambda entry: order[entry.name])
+    selected = _in_model_order(modules, [*kept, *applied.selected])
     names = {entry.name for entry in selected}
     dropped = [item for item in existing.dropped if item[0] not in names]
     dropped += [item for item in applied.dropped if item[0] not in names and item not in dropped]
@@ -193,9 +192,15 @@ def _recorded(model: nn.Module, applied: Plan, modules: Dict[str, nn.Module]) ->
     return dataclasses.replace(
         base,
         policy=existing.policy if existing.policy == applied.policy else f"{existing.policy} + {applied.policy}",
-        selected=tuple(selected),
+        selected=selected,
         dropped=tuple(dropped),
     )
+
+
+def _in_model_order(modules: Dict[str, nn.Module], entries: List[PlanEntry]) -> Tuple[PlanEntry, ...]:
+    """``entries`` sorted as ``model.named_modules()`` lists their modules."""
+    order = {name: position for position, name in enumerate(modules)}
+    return tuple(sorted(entries, key=lambda entry: order[entry.name]))
 
 
 class _PlanPerShape:
@@ -308,14 +313,13 @@ class _PlanPerShape:
         if not isinstance(record, Plan) or record.pending:
             setattr(model, PLAN_ATTRIBUTE, new)
             return
-        order = {name: position for position, name in enumerate(modules)}
         others = [entry for entry in record.selected if entry.name not in old]
-        selected = sorted([*others, *new.selected], key=lambda entry: order[entry.name])
+        selected = _in_model_order(modules, [*others, *new.selected])
         names = {entry.name for entry in selected}
         setattr(model, PLAN_ATTRIBUTE, dataclasses.replace(
             new,
             policy=record.policy,
-            selected=tuple(selected),
+            selected=selected,
             dropped=tuple(item for item in new.dropped if item[0] not in names),
         ))
 
