@@ -14,7 +14,7 @@ from typing import Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 from .._errors import CheckpointConfigError
 
-__all__ = ["CostItem", "Group", "format_bytes", "predicted_peak"]
+__all__ = ["CostItem", "CostOption", "Group", "format_bytes", "predicted_peak"]
 
 _BYTE_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
 
@@ -33,12 +33,33 @@ def format_bytes(n: int) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
+class CostOption:
+    """A further way to checkpoint one candidate alone, besides recomputing all of it:
+    a selective level that saves the outputs of some operators and recomputes the rest.
+
+    Example:
+        >>> CostOption("save mm x2", inputs=3 << 20, rebuilt=4 << 20, time=0.0005)
+        CostOption(label='save mm x2', inputs=3145728, rebuilt=4194304, time=0.0005)
+    """
+
+    label: str
+    """What the option saves, for the plan table (``save mm x2, addmm``)."""
+    inputs: int
+    """Bytes the checkpoint keeps from forward to backward: the candidate's inputs (as in
+    ``CostItem.inputs``) and the saved operator outputs."""
+    rebuilt: int
+    """Bytes its recomputation creates and holds until its backward."""
+    time: float
+    """Seconds its recomputation takes: the operators it does not save."""
+
+
+@dataclasses.dataclass(frozen=True)
 class CostItem:
     """What one candidate costs, as the solver sees it.
 
     Example:
         >>> CostItem("layers.0", kept=8 << 20, inputs=1 << 20, time=0.002)
-        CostItem(name='layers.0', kept=8388608, inputs=1048576, time=0.002, rebuilt=8388608, before=None, joins=None)
+        CostItem(name='layers.0', kept=8388608, inputs=1048576, time=0.002, rebuilt=8388608, before=None, joins=None, options=(), grads=0, recompute_grads=0)
     """
 
     name: str
@@ -62,6 +83,16 @@ class CostItem:
     both can run as one checkpointed segment: the bytes of ``base`` (and of ``before``)
     that this input takes because this candidate saves it. A segment through both frees
     them. ``None``: it cannot join the previous candidate."""
+    options: Tuple[CostOption, ...] = ()
+    """Further ways to checkpoint it alone (selective levels); recomputing all of it
+    (``inputs``, ``rebuilt``, ``time`` above) is always one."""
+    grads: int = 0
+    """Bytes its backward holds besides activations, at its highest: the gradients of its
+    outputs and inputs, backward temporaries, and the parameter gradients accumulated by
+    then (its own and those of everything backward reached before it)."""
+    recompute_grads: int = 0
+    """Bytes of gradients alive while its recomputation runs: its outputs' gradients and
+    the parameter gradients accumulated before its backward began."""
 
     def __post_init__(self) -> None:
         if self.rebuilt is None:
