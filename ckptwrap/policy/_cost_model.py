@@ -7,12 +7,12 @@ The solver (``_search`` and ``_solver``) optimises over this model; it knows not
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import numbers
-from typing import Iterable, List, Optional, Sequence, Set, Tuple, Union
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 from .._errors import CheckpointConfigError
+from ._moments import _before, _peak
 
 __all__ = ["CostItem", "CostOption", "Group", "format_bytes", "predicted_peak"]
 
@@ -59,7 +59,7 @@ class CostItem:
 
     Example:
         >>> CostItem("layers.0", kept=8 << 20, inputs=1 << 20, time=0.002)
-        CostItem(name='layers.0', kept=8388608, inputs=1048576, time=0.002, rebuilt=8388608, before=None, joins=None, options=(), grads=0, recompute_grads=0)
+        CostItem(name='layers.0', kept=8388608, inputs=1048576, time=0.002, rebuilt=8388608, before=None, joins=None, options=(), grads=0, recompute_grads=0, saved=0, forward=0)
     """
 
     name: str
@@ -93,71 +93,125 @@ class CostItem:
     recompute_grads: int = 0
     """Bytes of gradients alive while its recomputation runs: its outputs' gradients and
     the parameter gradients accumulated before its backward began."""
+    saved: int = 0
+    """The part of ``inputs`` that is operator outputs a selective policy saves (the
+    selective tier); once recomputed they are part of what its backward holds as
+    ``kept``, so its backward holds ``inputs - saved + kept``."""
+    forward: int = 0
+    """Bytes its forward holds at its highest when checkpointed (it runs without
+    autograd, keeping only its inputs), beyond ``carried`` and what is held before it.
+    Plain, its forward is taken to reach ``rebuilt``, the working set of a forward with
+    autograd on. 0: not measured, and the forward is taken never to set the peak."""
 
     def __post_init__(self) -> None:
         if self.rebuilt is None:
             object.__setattr__(self, "rebuilt", self.kept)
-        for field in ("kept", "inputs", "rebuilt", "before", "joins"):
+        for field in (
+            "kept", "inputs", "rebuilt", "before", "joins", "grads", "recompute_grads", "saved",
+            "forward",
+        ):
             value = getattr(self, field)
             if field in ("before", "joins") and value is None:
                 continue
-            if not _is_int(value) or value < 0:
-                raise CheckpointConfigError(
-                    f"cost item {self.name!r}: {field} must be a non-negative integer number "
-                    f"of bytes; got {value!r}"
-                )
-            object.__setattr__(self, field, int(value))
-        if (
-            not isinstance(self.time, numbers.Real)
-            or isinstance(self.time, bool)
-            or not math.isfinite(self.time)
-            or self.time < 0
-        ):
+            object.__setattr__(self, field, _check_bytes(value, f"cost item {self.name!r}: {field}"))
+        object.__setattr__(self, "time", _check_time(self.time, f"cost item {self.name!r}: time"))
+        object.__setattr__(self, "options", self._checked_options())
+
+    def _checked_options(self) -> Tuple[CostOption, ...]:
+        options = self.options
+        if isinstance(options, (str, bytes, CostOption)) or not isinstance(options, Sequence):
             raise CheckpointConfigError(
-                f"cost item {self.name!r}: time must be a finite, non-negative number of "
-                f"seconds; got {self.time!r}"
+                f"cost item {self.name!r}: options must be a sequence of CostOption; got "
+                f"{options!r}; pass a tuple, e.g. options=(CostOption(...),)"
             )
-        object.__setattr__(self, "time", float(self.time))
+        checked = []
+        for k, option in enumerate(options):
+            where = f"cost item {self.name!r}: options[{k}]"
+            if not isinstance(option, CostOption):
+                raise CheckpointConfigError(
+                    f"{where} is a {type(option).__name__} ({option!r}); expected a CostOption"
+                )
+            checked.append(
+                CostOption(
+                    option.label,
+                    inputs=_check_bytes(option.inputs, f"{where} ({option.label!r}) inputs"),
+                    rebuilt=_check_bytes(option.rebuilt, f"{where} ({option.label!r}) rebuilt"),
+                    time=_check_time(option.time, f"{where} ({option.label!r}) time"),
+                )
+            )
+        return tuple(checked)
 
 
 Group = Tuple[int, ...]
 
 
 def predicted_peak(
-    items: Sequence[CostItem], selected: Iterable[Union[int, Sequence[int]]], *, base: int
+    items: Sequence[CostItem],
+    selected: Iterable[Union[int, Sequence[int]]],
+    *,
+    base: int,
+    tail: int = 0,
+    options: Optional[Mapping[int, int]] = None,
 ) -> int:
-    """Predicted activation peak, in bytes, when the candidates ``selected`` are checkpointed.
+    """Predicted peak of a training step's activations and gradients, in bytes, when the
+    candidates ``selected`` are checkpointed.
 
-    ``items`` are in forward order, so backward reaches them last to first. The peak is
-    the larger of two moments:
+    ``items`` are in forward order, so backward reaches them last to first. Write
+    ``carried_i`` for ``joins`` of candidate i (0 if None), ``ahead_i`` for its ``before``
+    (``base`` if None) less the ``joins`` of candidates 0 to i, and ``floor`` for
+    ``base`` less all ``joins``. A candidate holds from its forward to its backward
+    ``carried + kept`` when plain, and ``carried + inputs_o`` when checkpointed alone with
+    option o, where o is the full recomputation (``inputs``, ``rebuilt``, ``time`` of the
+    item) or one of its ``options``; a segment holds its first member's ``carried +
+    inputs`` and nothing for the others. With ``x`` the bytes held by the candidates
+    before candidate (or segment) i, the peak is the largest of these moments:
 
-    - the end of the forward: ``base`` + ``kept`` of every other candidate + ``inputs`` of
-      every selected one;
-    - each selected candidate's recomputation, when backward has freed everything saved
-      after it: its ``before`` + what the candidates ahead of it hold (``kept``, or
-      ``inputs`` if selected) + its own ``inputs`` + ``rebuilt``.
-
-    A segment (consecutive candidates checkpointed as one region, each after the first
-    with ``joins`` set) holds only its first member's ``inputs``, frees its members'
-    ``joins`` from ``base``, and is recomputed at once: ``rebuilt`` of its last member on
-    top of ``kept`` and ``joins`` of the others.
+    - the end of the forward: ``floor + x_final + tail``;
+    - each plain candidate's forward and backward: ``ahead_i + x + carried_i +
+      max(kept_i + grads_i, F_i)``, where ``F_i`` is ``max(rebuilt_i, forward_i)`` if
+      ``forward`` is set, else 0 (with ``grads`` and ``forward`` 0 never above the end of
+      the forward);
+    - each candidate checkpointed alone with option o: ``ahead_i + x + carried_i +
+      max(inputs_o + rebuilt_o + recompute_grads_i, inputs_i - saved_i + kept_i +
+      grads_i, forward_i + inputs_o - inputs_i)``: its recomputation; its backward, which holds
+      all of ``kept`` (by then the operator outputs an option saved are part of the
+      rebuilt graph); and its forward without autograd, which keeps what the option
+      saves as it goes (0 if ``forward`` is not set);
+    - each segment f..l: ``ahead_f + x + carried_f + inputs_f + max(R + recompute_grads_l,
+      B, F)``, where R, its recomputation, is ``kept_m + carried_(m+1)`` summed over the
+      members m before l, plus ``rebuilt_l``; B is the largest, over its members k, of
+      ``kept_m + carried_(m+1)`` summed over the members m before k, plus ``kept_k +
+      grads_k``: the backward of k with what the members before it rebuilt; and F the
+      largest ``forward_k + carried_k`` of the members whose ``forward`` is set. A segment
+      always recomputes in full.
 
     Args:
         items: The candidates, in forward order.
         selected: Indices into ``items`` of the checkpointed candidates; a tuple of
             consecutive indices stands for a segment.
         base: Bytes of activations outside every candidate.
+        tail: Bytes the end of the forward and the backward of the code after the last
+            candidate hold beyond ``base`` and the candidates' activations, such as the
+            loss and the gradient of the output.
+        options: Maps an index selected alone to the option it is checkpointed with: 0
+            for the full recomputation (the default), k >= 1 for ``items[i].options[k - 1]``.
 
     Raises:
-        CheckpointConfigError: On a bad item, index, segment or ``base``.
+        CheckpointConfigError: On a bad item, index, segment, option, ``base`` or ``tail``.
 
     Example:
         >>> items = [CostItem(f"l{i}", kept=100, inputs=10, time=1.0) for i in range(3)]
         >>> predicted_peak(items, [0, 1], base=5)  # end of forward: 5 + 10 + 10 + 100
         125
+        >>> cheap = CostOption("save mm", inputs=60, rebuilt=40, time=0.5)
+        >>> items[2] = CostItem("l2", kept=100, inputs=10, time=1.0, options=(cheap,))
+        >>> predicted_peak(items, [0, 1, 2], base=5, tail=50, options={2: 1})
+        135
     """
     base = _check(items, base)
-    return _peak(items, _groups(items, selected), base)
+    tail = _check_bytes(tail, "tail")
+    groups = _groups(items, selected)
+    return _peak(items, groups, base, tail, _check_options(items, groups, options))
 
 
 # --------------------------------------------------------------------------- helpers
@@ -173,6 +227,15 @@ def _check_bytes(value: object, what: str) -> int:
             f"{what} must be a non-negative integer number of bytes; got {value!r}"
         )
     return int(value)  # type: ignore[arg-type]
+
+
+def _check_time(value: object, what: str) -> float:
+    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if not real or not math.isfinite(value) or value < 0:  # type: ignore[arg-type,operator]
+        raise CheckpointConfigError(
+            f"{what} must be a finite, non-negative number of seconds; got {value!r}"
+        )
+    return float(value)
 
 
 def _check(items: Sequence[CostItem], base: object) -> int:
@@ -232,60 +295,37 @@ def _groups(items: Sequence[CostItem], selected: Iterable[Union[int, Sequence[in
     return groups
 
 
-def _before(item: CostItem, base: int) -> int:
-    return base if item.before is None else item.before
-
-
-def _carried(item: CostItem) -> int:
-    return 0 if item.joins is None else item.joins
-
-
-def _peak(items: Sequence[CostItem], groups: Iterable[Group], base: int) -> int:
-    terms = _Terms(items, sorted(groups), base)
-    return max(terms.end, terms.before_max[-1])
-
-
-def _rebuilt(items: Sequence[CostItem], group: Group) -> int:
-    """What recomputing a group holds at its highest: the members before the last keep
-    their saved tensors and pass on their outputs while the last one runs."""
-    *first, last = group
-    return sum(items[i].kept + _carried(items[i + 1]) for i in first) + items[last].rebuilt
-
-
-class _Terms:
-    """The peak's terms for ``groups`` (sorted), to price dropping one group in O(log n):
-    dropping it adds the same amount to the end of the forward and to every later
-    recomputation, and removes its own."""
-
-    def __init__(self, items: Sequence[CostItem], groups: List[Group], base: int) -> None:
-        self.items = items
-        self.starts = [group[0] for group in groups]
-        self.index = {group: k for k, group in enumerate(groups)}
-        joined = list(itertools.accumulate(_carried(item) for item in items))
-        starts = {group[0]: group for group in groups}
-        inside = {i for group in groups for i in group[1:]}
-        held, terms = 0, []
-        for i, item in enumerate(items):
-            if i in inside:
-                continue
-            group = starts.get(i)
-            if group is None:
-                held += _carried(item) + item.kept
-                continue
-            terms.append(
-                _before(item, base) - joined[i] + held + _carried(item) + item.inputs
-                + _rebuilt(items, group)
-            )
-            held += _carried(item) + item.inputs
-        self.end = base - (joined[-1] if joined else 0) + held
-        self.before_max = list(itertools.accumulate(terms, max, initial=-1))
-        self.after_max = list(itertools.accumulate(reversed(terms), max, initial=-1))[::-1]
-
-    def peak_without(self, group: Group) -> int:
-        items, k = self.items, self.index[group]
-        growth = sum(_carried(items[i]) + items[i].kept for i in group) - (
-            _carried(items[group[0]]) + items[group[0]].inputs
+def _check_options(
+    items: Sequence[CostItem], groups: Sequence[Group], options: Optional[Mapping[int, int]]
+) -> Dict[int, int]:
+    """``options`` checked against the selection, without the full recomputations (0)."""
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise CheckpointConfigError(
+            f"options must map a selected candidate index to an option number; got "
+            f"{options!r}; pass a dict such as {{3: 1}}"
         )
-        later = self.after_max[k + 1]
-        return max(self.end + growth, self.before_max[k], later + growth if later >= 0 else -1)
-
+    alone = {group[0] for group in groups if len(group) == 1}
+    members = {i for group in groups if len(group) > 1 for i in group}
+    checked = {}
+    for index, number in options.items():
+        if index in members:
+            raise CheckpointConfigError(
+                f"options name candidate {index!r}, which is in a segment; a segment always "
+                f"recomputes in full, so give options only for candidates selected alone"
+            )
+        if not _is_int(index) or int(index) not in alone:
+            raise CheckpointConfigError(
+                f"options name candidate {index!r}, which is not selected; give options "
+                f"only for the candidates selected alone ({sorted(alone)})"
+            )
+        count = len(items[index].options)
+        if not _is_int(number) or not 0 <= number <= count:
+            raise CheckpointConfigError(
+                f"options give candidate {index} ({items[index].name!r}) option {number!r}; "
+                f"it has {count} option(s), so allowed are 0 (recompute all of it) to {count}"
+            )
+        if number:
+            checked[int(index)] = int(number)
+    return checked

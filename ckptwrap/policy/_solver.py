@@ -16,17 +16,19 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from .._errors import CheckpointConfigError
 from ._cost_model import (
     CostItem,
+    CostOption,
     _check,
     _check_bytes,
-    _peak,
     format_bytes,
     predicted_peak,
 )
+from ._moments import _peak
 from ._search import _Search
 
 __all__ = [
     "BudgetSolution",
     "CostItem",
+    "CostOption",
     "PercentBudget",
     "format_bytes",
     "pooled_times",
@@ -80,7 +82,7 @@ class BudgetSolution:
     """The solver's plan.
 
     When ``unit`` divides every candidate's ``kept`` and the ``inputs`` of those that save
-    memory, as it does when the total ``kept`` spans at most ~32k units, the plan is
+    memory (of each option too), as it does when the total ``kept`` spans at most ~32k units, the plan is
     optimal for the pooled times (see :func:`pooled_times`). Otherwise sizes were rounded
     up to ``unit``: the plan still fits the budget, but may recompute more than the optimum.
     """
@@ -90,7 +92,8 @@ class BudgetSolution:
     predicted_peak: int
     """Predicted activation peak of the plan, in bytes (exact, not rounded)."""
     recompute_time: float
-    """Seconds of recomputation the plan adds: the summed ``time`` of ``selected``."""
+    """Seconds of recomputation the plan adds: the summed ``time`` of ``selected``, or of
+    the option each is checkpointed with."""
     budget: int
     """The budget it was solved for, in bytes."""
     unit: int
@@ -99,12 +102,16 @@ class BudgetSolution:
     """Runs of two or more consecutive selected candidates checkpointed as one region
     (only candidates with ``joins`` set can continue a run); every other selected
     candidate is checkpointed alone."""
+    options: Tuple[int, ...] = ()
+    """How each of ``selected`` (in the same order) is checkpointed: 0 recomputes all of
+    it, k >= 1 uses its ``options[k - 1]``; members of segments always recompute all."""
 
 
 def pooled_times(items: Sequence[CostItem]) -> List[float]:
-    """The times the solver weighs: each candidate's ``time``, except that candidates with
-    the same own costs (``kept``, ``inputs`` and ``rebuilt``) all get the median of their
-    times.
+    """The times the solver weighs for recomputing each candidate in full: each
+    candidate's ``time``, except that candidates with the same own costs (``kept``,
+    ``inputs``, ``rebuilt`` and the sizes of their ``options``) all get the median of
+    their times. Their options are pooled alike, each with the same option of the others.
 
     Such candidates are, in practice, the same computation (the repeated blocks a budget
     chooses among) timed several times, so their measured times differ only by noise,
@@ -112,95 +119,119 @@ def pooled_times(items: Sequence[CostItem]) -> List[float]:
     that noise would decide which of them a plan takes, and every call would plan
     differently. Pooled, they tie exactly, the program breaks the tie by model order, and
     the median of the group is a better estimate of each member than its own
-    measurement. ``before`` and ``joins`` say where a candidate sits, not what it costs,
-    so they do not split a group. Candidates that differ in any own cost keep their times,
-    and the solver stays exact for them.
+    measurement. ``before``, ``joins``, ``grads`` and ``recompute_grads`` say where a
+    candidate sits (what was saved or accumulated before it), not what it costs, so they
+    do not split a group. Candidates that differ in any own cost keep their times, and
+    the solver stays exact for them.
 
     Example:
         >>> items = [CostItem(f"h.{i}", kept=8, inputs=1, time=t) for i, t in enumerate([1.0, 9.0, 2.0])]
         >>> pooled_times(items)
         [2.0, 2.0, 2.0]
     """
-    groups: Dict[Tuple[int, int, int], List[int]] = {}
+    return [times[0] for times in _pooled(items)]
+
+
+def _pooled(items: Sequence[CostItem]) -> List[List[float]]:
+    """Per candidate, the pooled times of its full recomputation and of each option."""
+    groups: Dict[Tuple[object, ...], List[int]] = {}
     for index, item in enumerate(items):
-        groups.setdefault((item.kept, item.inputs, item.rebuilt), []).append(index)  # type: ignore[arg-type]
-    times = [item.time for item in items]
+        sizes = tuple((option.inputs, option.rebuilt) for option in item.options)
+        groups.setdefault((item.kept, item.inputs, item.rebuilt, sizes), []).append(index)
+    times = [[item.time, *(option.time for option in item.options)] for item in items]
     for members in groups.values():
         if len(members) > 1:
-            typical = statistics.median(items[i].time for i in members)
-            for i in members:
-                times[i] = typical
+            for k in range(len(times[members[0]])):
+                typical = statistics.median(times[i][k] for i in members)
+                for i in members:
+                    times[i][k] = typical
     return times
 
 
-def smallest_reachable_peak(items: Sequence[CostItem], *, base: int) -> int:
-    """The least predicted peak of any selection of ``items``, segments included, in bytes.
+def smallest_reachable_peak(items: Sequence[CostItem], *, base: int, tail: int = 0) -> int:
+    """The least predicted peak of any plan for ``items`` (segments and options
+    included), in bytes.
 
     Exact on the same condition as :func:`solve_budget`'s plans; otherwise an upper bound
-    that a selection reaches.
+    that a plan reaches.
 
     Raises:
-        CheckpointConfigError: On a bad item or ``base``.
+        CheckpointConfigError: On a bad item, ``base`` or ``tail``.
     """
     base = _check(items, base)
-    return _peak(items, _Search(items, base, None).run(), base)
+    tail = _check_bytes(tail, "tail")
+    groups, options = _Search(items, base, None, tail=tail).run()  # type: ignore[misc]
+    return _peak(items, groups, base, tail, options)
 
 
-def solve_budget(items: Sequence[CostItem], budget: int, *, base: int) -> BudgetSolution:
-    """The selection of least recompute time whose predicted peak fits ``budget``.
+def solve_budget(items: Sequence[CostItem], budget: int, *, base: int, tail: int = 0) -> BudgetSolution:
+    """The plan of least recompute time whose predicted peak fits ``budget``.
 
+    Each candidate stays plain, is checkpointed alone (recomputing all of it, or with one
+    of its ``options``), or, if it has ``joins`` set, in one segment with those before it.
     Times are weighed as :func:`pooled_times` gives them, so that candidates with the same
     own costs, whose measured times differ only by noise, tie exactly. Ties in time go to
     the smaller peak; among those, the program prefers fewer candidates and fewer regions,
     though a tie it cannot tell apart may keep more; a tie that remains goes by model
+    order, and for one candidate to the full recomputation, then to its options in their
     order (see ``_Search``), so equal costs always give the same plan. A budget that the
     un-checkpointed model already meets selects nothing. The peak is that of
-    :func:`predicted_peak`; candidates with ``joins`` set may be checkpointed in one
-    segment with those before them.
+    :func:`predicted_peak`.
 
     Args:
         items: The candidates, in forward order.
-        budget: Bytes the predicted activation peak may reach; a :class:`PercentBudget`
-            has an unreachable budget reported in percent too.
+        budget: Bytes the predicted peak may reach; a :class:`PercentBudget` has an
+            unreachable budget reported in percent too.
         base: Bytes of activations outside every candidate.
+        tail: Bytes the end of the forward and the backward of the code after the last
+            candidate hold besides (see :func:`predicted_peak`).
 
     Returns:
         The plan; see :class:`BudgetSolution`.
 
     Raises:
         CheckpointConfigError: If ``budget`` is below :func:`smallest_reachable_peak`, or on
-            a bad item, ``budget`` or ``base``.
+            a bad item, ``budget``, ``base`` or ``tail``.
 
     Example:
         >>> items = [CostItem(f"l{i}", kept=100, inputs=10, time=1.0) for i in range(4)]
         >>> solve_budget(items, 250, base=0)
-        BudgetSolution(selected=(0, 1), predicted_peak=220, recompute_time=2.0, budget=250, unit=10, segments=())
+        BudgetSolution(selected=(0, 1), predicted_peak=220, recompute_time=2.0, budget=250, unit=10, segments=(), options=(0, 0))
     """
     base = _check(items, base)
     given = budget
     budget = _check_bytes(budget, "budget")
-    if _peak(items, (), base) <= budget:
-        return BudgetSolution((), _peak(items, (), base), 0.0, budget, 1)
-    search = _Search(items, base, budget, pooled_times(items))
-    groups = search.run()
-    if groups is None:
-        lowest_groups = _Search(items, base, None).run()
-        lowest = _peak(items, lowest_groups, base)
-    if groups is None and lowest <= budget:
+    tail = _check_bytes(tail, "tail")
+    empty = _peak(items, (), base, tail)
+    if empty <= budget:
+        return BudgetSolution((), empty, 0.0, budget, 1)
+    search = _Search(items, base, budget, _pooled(items), tail=tail)
+    plan = search.run()
+    if plan is None:
+        lowest_plan = _Search(items, base, None, tail=tail).run()
+        assert lowest_plan is not None  # without a budget every plan is allowed
+        lowest = _peak(items, lowest_plan[0], base, tail, lowest_plan[1])
+        if lowest > budget:
+            lowest_set = [i for group in lowest_plan[0] for i in group]
+            raise CheckpointConfigError(_below_reach(items, given, lowest, lowest_set))
         # On a coarse axis rounding can hide plans that fit; the lowest-peak one does.
-        groups = search.refine(lowest_groups)
-    elif groups is None:
-        lowest_set = [i for group in lowest_groups for i in group]
-        raise CheckpointConfigError(_below_reach(items, given, lowest, lowest_set))
+        plan = search.refine(lowest_plan)
+    groups, chosen = plan
     selected = tuple(sorted(i for group in groups for i in group))
+    options = tuple(chosen.get(i, 0) for i in selected)
     return BudgetSolution(
         selected,
-        _peak(items, groups, base),
-        math.fsum(items[i].time for i in selected),
+        _peak(items, groups, base, tail, chosen),
+        math.fsum(_time(items[i], option) for i, option in zip(selected, options)),
         budget,
         search.unit,
         tuple(sorted(group for group in groups if len(group) > 1)),
+        options,
     )
+
+
+def _time(item: CostItem, option: int) -> float:
+    return item.time if option == 0 else item.options[option - 1].time
 
 
 # --------------------------------------------------------------------------- messages

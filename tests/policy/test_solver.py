@@ -45,7 +45,8 @@ class BruteForce:
     Written from the model's definition, independently of the solver: per subset, each
     item holds ``inputs`` if selected else ``kept``; the end of the forward holds ``base``
     and all of them; a selected item j is recomputed on top of its ``before`` (``base`` if
-    None), what the items before it hold, its ``inputs`` and its ``rebuilt``.
+    None), what the items before it hold and its ``inputs``: its recomputation adds its
+    ``rebuilt``, then its backward all it ``kept`` (these items have no ``grads``).
     """
 
     def __init__(self, items: Sequence[CostItem], base: int) -> None:
@@ -62,7 +63,7 @@ class BruteForce:
         times = torch.tensor([item.time for item in items], dtype=torch.float64)
         held = torch.where(masks, inputs, kept)
         ahead = held.cumsum(1) - held  # exclusive prefix sums: what the items before hold
-        recompute = (before + ahead + inputs + rebuilt).masked_fill(~masks, 0)
+        recompute = (before + ahead + inputs + torch.maximum(rebuilt, kept)).masked_fill(~masks, 0)
         end = base + held.sum(1)
         self.peaks = torch.cat((end[:, None], recompute), dim=1).amax(dim=1)
         self.times = (masks * times).sum(1)
@@ -191,9 +192,9 @@ def test_brute_force_by_hand():
     assert brute.peak_of([]) == 5 + 100 + 300 + 200
     # {a}: end 5 + 10 + 300 + 200 = 515; a's recompute 3 + 0 + 10 + 100 = 113.
     assert brute.peak_of([0]) == 515
-    # {b, c}: end 5 + 100 + 20 + 30 = 155; b: 5 + 100 + 20 + 50 = 175;
-    # c: 5 + (100 + 20) + 30 + 200 = 355.
-    assert brute.peak_of([1, 2]) == 355
+    # {b, c}: end 5 + 100 + 20 + 30 = 155; b rebuilds 50, but its backward holds all it
+    # kept: 5 + 100 + 20 + 300 = 425; c: 5 + (100 + 20) + 30 + 200 = 355.
+    assert brute.peak_of([1, 2]) == 425
     assert brute.times[0b110] == 6.0 and brute.counts[0b110] == 2
 
 
@@ -453,7 +454,7 @@ def test_zero_time_candidates_are_preferred_and_lower_the_peak():
     # Below it, time 0 is reachable and the lowest peak at time 0 is chosen: free0 and
     # free1 checkpointed end the forward at 0 + 0 + 60 = 60 and recompute 0 + 0 + 50 = 50
     # each; either alone ends at 50 + 60 = 110. Units: gcd(50, 50, 60) = 10.
-    assert solve_budget(items, 159, base=0) == BudgetSolution((0, 1), 60, 0.0, 159, 10)
+    assert solve_budget(items, 159, base=0) == BudgetSolution((0, 1), 60, 0.0, 159, 10, (), (0, 0))
     # Checkpointing paid too ends at 0 but recomputes 60: no lower, and it costs time.
     assert smallest_reachable_peak(items, base=0) == 60
     assert solve_budget(items, 60, base=0).selected == (0, 1)
@@ -521,19 +522,22 @@ def test_before_lowers_the_recompute_term():
     assert predicted_peak(full, [0], base=50) == 160
 
 
-def test_rebuilt_below_kept_lowers_the_recompute_term():
-    # A selective checkpoint rebuilds only part of what it kept: base 20, plain 120;
-    # checkpointed, the full one recomputes on 20 + 10 + 100 = 130, the selective one on
-    # 20 + 10 + 30 = 60 (end of forward 30). Rebuilding more than kept (150) costs more.
+def test_rebuilt_above_kept_raises_the_recompute_term_below_it_the_backward_binds():
+    # base 20, plain 120. Checkpointed in full, the recomputation and then the backward
+    # hold 20 + 10 + 100 = 130 (end of forward 30). Rebuilding less (30) leaves the
+    # backward, which holds all 100 kept again, at 130; rebuilding more (150), 180.
     full = CostItem("block", kept=100, inputs=10, time=1.0)
-    selective = CostItem("block", kept=100, inputs=10, time=1.0, rebuilt=30)
+    partial = CostItem("block", kept=100, inputs=10, time=1.0, rebuilt=30)
     greedy = CostItem("block", kept=100, inputs=10, time=1.0, rebuilt=150)
     assert full.rebuilt == 100
     assert predicted_peak([full], [0], base=20) == 130
-    assert predicted_peak([selective], [0], base=20) == 60
+    assert predicted_peak([partial], [0], base=20) == 130
     assert predicted_peak([greedy], [0], base=20) == 180
-    assert smallest_reachable_peak([full], base=20) == 120
-    assert solve_budget([selective], 119, base=20) == BudgetSolution((0,), 60, 1.0, 119, 10)
+    assert smallest_reachable_peak([partial], base=20) == 120
+    # With only 10 bytes of base saved before it, checkpointed it reaches 10 + 10 + 100:
+    # still no lower than plain.
+    early = CostItem("block", kept=100, inputs=10, time=1.0, rebuilt=30, before=10)
+    assert predicted_peak([early], [0], base=20) == 120
 
 
 # ------------------------------------------------------------------------------ validation

@@ -97,10 +97,10 @@ def test_a_percent_budget_below_reach_is_stated_in_percent_and_bytes():
     budget = Budget("10%").resolve(reference)
     share = 100 * lowest / reference
     match = (
-        rf"budget 10% of the un-checkpointed activation memory \(62\.0 MiB \({reference} "
+        rf"budget 10% of the un-checkpointed step's peak \(62\.0 MiB \({reference} "
         rf"bytes\)\), that is 6\.2 MiB \({int(0.1 * reference)} bytes\), is below the smallest "
-        rf"reachable peak 17\.0 MiB \({lowest} bytes\), {share:.2f}% of the un-checkpointed "
-        rf"activation memory, reached by checkpointing 5 of 6 candidates .*; raise the "
+        rf"reachable peak 17\.0 MiB \({lowest} bytes\), {share:.2f}% of the un-checkpointed step's "
+        rf"peak, reached by checkpointing 5 of 6 candidates .*; raise the "
         rf"budget to at least budget:27\.5%"
     )
     with pytest.raises(CheckpointConfigError, match=match):
