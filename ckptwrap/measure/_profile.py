@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from .._errors import CheckpointConfigError
+from ._ops import OpCost
 from ._profile_run import Record, SavePolicy, Session
 from ._progress import ProgressBar, should_show
+from ._step import StepPeaks, measure_step
+from ._storages import tensors
 
 __all__ = ["ModuleCost", "ModelProfile", "profile_modules"]
 
@@ -76,9 +79,22 @@ class ModuleCost:
     policy_saved_kept_bytes: int = 0
     """The part of ``policy_saved_bytes`` that the plain forward saves for backward too
     (in ``kept_bytes``): a selective recomputation need not rebuild it."""
+    selective_overhead: float = 0.0
+    """Seconds torch's selective checkpointing adds to one forward of it: the dispatch mode
+    it runs over every operator (the forward measured under it, saving nothing, less the
+    plain forward)."""
     recompute_time: Optional[float] = None
     """With a save policy: seconds its forward takes when the saved outputs are replayed,
     what a selective recomputation costs; None without one (``forward_time`` then)."""
+    ops: Tuple[OpCost, ...] = ()
+    """Its forward's operators in call order, as selective checkpointing numbers them
+    (summed over its calls); empty if its calls ran different operators or it was not
+    called. The planner derives selective levels from them."""
+
+    def __post_init__(self) -> None:
+        # From JSON (``to_dict``), the operators come back as dicts.
+        ops = tuple(op if isinstance(op, OpCost) else OpCost(**op) for op in self.ops)
+        object.__setattr__(self, "ops", ops)
 
     def to_dict(self) -> Dict[str, Any]:
         """The fields as a JSON-friendly dict."""
@@ -102,6 +118,9 @@ class ModelProfile:
     """The part of the total that no checkpoint frees: storages saved outside the candidates,
     candidate inputs that the candidates save (a checkpoint would keep those as well), and
     candidate outputs that the forward after them saves again."""
+    step: Optional[StepPeaks] = None
+    """With ``step=True``: the memory of one whole training step with every outermost
+    candidate checkpointed, phase by phase; what the step peak is predicted from."""
     _index: Dict[str, ModuleCost] = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -125,6 +144,7 @@ class ModelProfile:
             "modules": [cost.to_dict() for cost in self.modules],
             "total_activation_bytes": self.total_activation_bytes,
             "base_bytes": self.base_bytes,
+            "step": None if self.step is None else self.step.to_dict(),
         }
 
     @classmethod
@@ -134,6 +154,7 @@ class ModelProfile:
             modules=tuple(ModuleCost(**cost) for cost in data["modules"]),
             total_activation_bytes=int(data["total_activation_bytes"]),
             base_bytes=int(data["base_bytes"]),
+            step=None if data.get("step") is None else StepPeaks(**data["step"]),
         )
 
 
@@ -146,6 +167,8 @@ def profile_modules(
     repeats: int = 3,
     progress: Optional[bool] = None,
     save_policy: Optional[SavePolicy] = None,
+    step: bool = False,
+    loss_fn: Optional[Callable[[Any], Any]] = None,
 ) -> ModelProfile:
     """Measure what each named module costs in one forward of ``model``.
 
@@ -187,6 +210,14 @@ def profile_modules(
             ``create_selective_checkpoint_contexts``: each module's forward is then also
             measured as a selective checkpoint of it would run (``policy_saved_bytes``,
             ``policy_saved_kept_bytes``, ``recompute_time``).
+        step: Also run one training step (forward and backward) with every outermost
+            candidate checkpointed and measure its memory phase by phase
+            (:class:`~ckptwrap.measure._step.StepPeaks`), for predicting the whole step's
+            peak. Its memory is that of the plan that recomputes every candidate. The
+            model's ``.grad`` fields are left as they were.
+        loss_fn: With ``step``, ``loss_fn(output)`` is the loss the step backpropagates
+            from; by default the output itself if it is a scalar, its ``loss`` if it has
+            one, else every floating-point output with gradients of ones.
 
     Returns:
         A :class:`ModelProfile` with one :class:`ModuleCost` per name, in model order.
@@ -225,8 +256,13 @@ def profile_modules(
     )
     state = _ModelState(model)
     grad_mode = torch.is_grad_enabled()
+    steps = None
     try:
         session.run()
+        if step:
+            session.start_rng.restore()
+            state.restore()
+            steps = measure_step(model, _outermost(targets), args, kwargs, _device(model, args, kwargs), loss_fn, save_policy)
     finally:
         torch.set_grad_enabled(grad_mode)
         session.start_rng.restore()
@@ -238,7 +274,27 @@ def profile_modules(
         modules=tuple(_cost(record, save_policy is not None) for record in session.records),
         total_activation_bytes=session.base_bytes + kept,
         base_bytes=session.base_bytes,
+        step=steps,
     )
+
+
+def _outermost(targets: List[Tuple[str, nn.Module]]) -> List[Tuple[str, nn.Module]]:
+    """The targets not inside another target: each is checkpointed once in the step."""
+    names = [name for name, _ in targets]
+    return [
+        (name, module)
+        for name, module in targets
+        if not any(name.startswith(other + ".") for other in names if other)
+        and name != ""
+    ]
+
+
+def _device(model: nn.Module, args: Any, kwargs: Any) -> torch.device:
+    """The device the step allocates on: that of the first accelerator tensor, else the CPU."""
+    for tensor in [*tensors((args, kwargs)), *model.parameters(), *model.buffers()]:
+        if tensor.device.type not in ("cpu", "meta"):
+            return tensor.device
+    return torch.device("cpu")
 
 
 def _resolve_targets(model: nn.Module, names: Sequence[str]) -> List[Tuple[str, nn.Module]]:
@@ -300,6 +356,8 @@ def _cost(record: Record, replayed: bool) -> ModuleCost:
         policy_saved_bytes=record.policy_saved,
         policy_saved_kept_bytes=record.policy_saved_kept,
         recompute_time=record.replay_time if replayed else None,
+        selective_overhead=record.selective_overhead,
+        ops=tuple(record.ops or ()),
     )
 
 

@@ -18,6 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from .._hf import fresh_caches
 from ._clients import cache_free_arguments
 from ._peak import _StorageCounter
+from ._ops import OpCost, OpRecorder, merge_calls, with_times
 from ._progress import ProgressBar
 from ._storages import (
     SavePolicy,
@@ -29,7 +30,9 @@ from ._storages import (
     tensor_storages,
     tensors,
 )
-from ._timing import RngState, device_of, time_forward, time_replay
+from ._timing import (
+    RngState, device_of, time_forward, time_ops, time_replay, time_unsaved_replay,
+)
 
 __all__ = ["Record", "SavePolicy", "Session"]
 
@@ -48,6 +51,7 @@ class Record:
     outputs: int = 0
     flops: int = 0
     time: float = 0.0
+    selective_overhead: float = 0.0  # what torch's selective dispatch mode adds to a forward
     replay_time: float = 0.0  # with a save policy: the forward replaying the saved outputs
     forward_peak: int = 0  # most bytes its forward's own storages held at once
     handed_over: int = 0  # kept bytes of its outputs that what follows saves as well
@@ -64,6 +68,8 @@ class Record:
     # Per call of the memory pass: which tensor inputs need grad, and the grad mode; the
     # timing pass runs under no_grad and cannot see either.
     call_modes: List[Tuple[List[bool], bool]] = dataclasses.field(default_factory=list)
+    # Its operators, summed over its calls; None when its calls ran different operators.
+    ops: Optional[List[OpCost]] = None
 
 
 @dataclasses.dataclass
@@ -115,6 +121,7 @@ class Session:
         # True while a measurement runs: candidates called inside it are not calls of their own.
         self._busy = False
         self._seen_in_pass: set = set()
+        self._selective_warm = False
 
     def run(self) -> None:
         """Run both passes; afterwards ``records`` and ``base_bytes`` hold the results."""
@@ -216,13 +223,15 @@ class Session:
         counter = FlopCounterMode(display=False)
         # What a recomputation holds at its highest: saved tensors and temporaries alike.
         meter = _StorageCounter(device_of(run_inputs, module).type)
+        recorder = OpRecorder(tally)
         self._busy = True
         try:
             # The module's forward alone, skipping its hooks (they ran for the real call);
             # the RNG is put back so the real call draws the same numbers.
             with RngState(self._devices).kept(), torch.set_grad_enabled(grad):
                 with saving(tally), counter, policy_watch(self._policy, policy_tally), meter:
-                    output = module.forward(*run_args, **run_kwargs)
+                    with recorder:
+                        output = module.forward(*run_args, **run_kwargs)
             outputs = tensors(output)
             out_grads = [t.requires_grad for t in outputs]
             frame = _Frame(nested, grad, out_grads, [tally.holds(t) for t in outputs])
@@ -239,6 +248,7 @@ class Session:
         record.policy_saved += policy_tally.bytes
         record.policy_saved_kept += policy_tally.shared_bytes(tally)
         record.call_modes.append((grads, grad))
+        record.ops = merge_calls(record.ops, recorder.ops(), first=record.calls == 1)
         self._frames.append(frame)
         if not nested:
             # Inputs the module saves stay alive in a real forward, but as no candidate's
@@ -344,6 +354,17 @@ class Session:
                     time_forward(module, run_args, run_kwargs, device)
                     for _ in range(self._repeats)
                 ]
+                op_runs = [
+                    time_ops(module, run_args, run_kwargs, device) for _ in range(self._repeats)
+                ]
+                if not self._selective_warm:
+                    # Its first use pays one-time costs that no step pays again.
+                    time_unsaved_replay(module, run_args, run_kwargs, device)
+                    self._selective_warm = True
+                selective = [
+                    time_unsaved_replay(module, run_args, run_kwargs, device)
+                    for _ in range(self._repeats)
+                ]
                 replays = samples
                 if self._policy is not None:
                     replays = [
@@ -354,6 +375,9 @@ class Session:
             self._busy = False
         record.time += statistics.median(samples)
         record.replay_time += statistics.median(replays)
+        # What the selective dispatch mode adds to a forward, whatever it saves.
+        record.selective_overhead += max(0.0, statistics.median(selective) - statistics.median(samples))
+        record.ops = with_times(record.ops, op_runs)
         return None
 
     def _time_post(self, module: nn.Module, args: Any, output: Any) -> None:

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Callable, Dict, Iterable, Iterator, Sequence
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Sequence, Tuple
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from ._ops import OpTimer
 from ._storages import SavePolicy
 
-__all__ = ["RngState", "device_of", "time_forward", "time_replay"]
+__all__ = ["RngState", "device_of", "time_forward", "time_ops", "time_replay", "time_unsaved_replay"]
 
 
 class RngState:
@@ -86,6 +87,33 @@ def time_replay(
     del output
     with replay:
         return time_forward(module, args, kwargs, device)
+
+
+def time_unsaved_replay(
+    module: nn.Module, args: Any, kwargs: Dict[str, Any], device: torch.device
+) -> float:
+    """Seconds ``module.forward`` takes under torch's selective checkpointing saving
+    nothing: the plain forward plus what the selective dispatch mode adds."""
+    return time_replay(module, args, kwargs, device, _save_nothing)
+
+
+def _save_nothing(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def time_ops(
+    module: nn.Module, args: Any, kwargs: Dict[str, Any], device: torch.device
+) -> List[Tuple[str, float]]:
+    """(operator packet, seconds) for each operator of one ``module.forward``, in order.
+
+    Each operator waits for the device before and after it, so its time is its own; the
+    forward's time is measured apart (:func:`time_forward`), without this overhead.
+    """
+    timer = OpTimer(_synchronizer(device))
+    with timer:
+        output = module.forward(*args, **kwargs)
+    del output
+    return timer.times
 
 
 def _synchronizer(device: torch.device) -> Callable[[], None]:

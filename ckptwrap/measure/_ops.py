@@ -1,0 +1,226 @@
+"""What each operator of one candidate call costs: the dispatch-level record that the
+budget planner turns into selective levels (save some operators' outputs, recompute the
+rest).
+
+Operators are named as selective checkpointing names them: by overload packet and by
+occurrence among the calls of that packet within one call of the module, skipping the
+operators torch's selective checkpointing ignores, so a recorded ``(op, occurrence)`` is
+the one a selective policy sees in a checkpointed call of the same module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections import defaultdict
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import SAC_IGNORED_OPS
+from torch.utils.flop_counter import flop_registry
+
+from ._storages import StorageMap, Tally, tensor_storages, tensors
+
+__all__ = ["OpCost", "OpRecorder", "OpTimer", "merge_calls", "with_times"]
+
+
+@dataclasses.dataclass(frozen=True)
+class OpCost:
+    """One operator call in a candidate's forward (summed over the candidate's calls).
+
+    Example:
+        >>> OpCost("mm", 0, bytes=4096, saved=True, flops=65536, time=2e-06)
+        OpCost(op='mm', occurrence=0, bytes=4096, saved=True, flops=65536, time=2e-06, mutated=False)
+    """
+
+    op: str
+    """Overload packet name, e.g. ``mm`` or ``_scaled_dot_product_flash_attention_for_cpu``."""
+    occurrence: int
+    """How many calls of the same packet came before it in the same module call, from 0."""
+    bytes: int
+    """Bytes of the storages among its outputs that no tensor had before it: 0 for a view
+    or an in-place operator."""
+    saved: bool
+    """Whether autograd saved one of those new storages for backward during the forward."""
+    flops: int = 0
+    """Floating-point operations, as ``torch.utils.flop_counter`` counts them."""
+    time: float = 0.0
+    """Seconds it took: the median over the timed repeats; 0 when not timed."""
+    mutated: bool = False
+    """Whether a later operator wrote into one of its new storages in place (dropout's
+    mask, filled after ``empty_like``): selective checkpointing cannot save such an
+    output, since the copy it keeps would no longer be the one the forward used."""
+
+    @property
+    def instance(self) -> Tuple[str, int]:
+        """``(op, occurrence)``: how a selective policy names this call."""
+        return (self.op, self.occurrence)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The fields as a JSON-friendly dict."""
+        return dataclasses.asdict(self)
+
+
+def _packet_name(func: Any) -> str:
+    packet = getattr(func, "overloadpacket", func)
+    return getattr(packet, "__name__", str(packet))
+
+
+class _Counted(TorchDispatchMode):
+    """Runs every operator, numbering each call per packet as selective checkpointing does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._counts: Dict[str, int] = defaultdict(int)
+
+    def _number(self, func: Any) -> Tuple[str, int]:
+        name = _packet_name(func)
+        occurrence = self._counts[name]
+        self._counts[name] += 1
+        return name, occurrence
+
+
+class OpRecorder(_Counted):
+    """Records the operators of one module call with autograd on: new output bytes, FLOPs,
+    and, through ``tally`` (the saved-tensors tally of the same forward), what autograd saves.
+
+    A storage is new if no tensor met so far (an operator's argument or output) had it:
+    views and in-place results are not new. Outputs are never kept alive here, so the
+    forward's memory is as it would be without the recorder.
+    """
+
+    def __init__(self, tally: Tally) -> None:
+        super().__init__()
+        self._tally = tally
+        # Every storage met so far, with the entry of the operator that created it (None
+        # for those the module was given).
+        self._seen: StorageMap[Optional[List[Any]]] = StorageMap()
+        self._ops: List[List[Any]] = []  # [name, occurrence, bytes, saved, flops, mutated]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in SAC_IGNORED_OPS:
+            return out
+        name, occurrence = self._number(func)
+        for tensor in tensors((args, kwargs)):
+            for storage in tensor_storages(tensor):
+                self._seen.setdefault(storage, None)
+        for tensor in _written(func, args, kwargs):
+            for storage in tensor_storages(tensor):
+                owner = self._seen.get(storage)
+                if owner is not None:
+                    owner[5] = True
+        entry = [name, occurrence, 0, False, _flops(func, out, args, kwargs), False]
+        for tensor in tensors(out):
+            for storage in tensor_storages(tensor):
+                if storage in self._seen:
+                    continue
+                self._seen[storage] = entry
+                entry[2] += storage.nbytes()
+                # Autograd saves after the operator returns: the tally counts the storage
+                # then, and tells us through the claim.
+                self._tally.claims[storage] = _Saved(entry)
+        self._ops.append(entry)
+        return out
+
+    def ops(self) -> List[OpCost]:
+        """What was recorded, in call order."""
+        return [OpCost(*entry[:5], mutated=entry[5]) for entry in self._ops]
+
+
+class _Saved:
+    """A tally claim that marks an operator's entry as saved."""
+
+    __slots__ = ("_entry",)
+
+    def __init__(self, entry: List[Any]) -> None:
+        self._entry = entry
+
+    def __call__(self, nbytes: int) -> None:
+        self._entry[3] = True
+
+
+def _written(func: Any, args: Any, kwargs: Dict[str, Any]) -> List[torch.Tensor]:
+    """The tensor arguments ``func`` writes into (in-place and ``out=`` operators)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return []
+    written = []
+    for position, argument in enumerate(schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        if argument.kwarg_only or position >= len(args):
+            value = kwargs.get(argument.name)
+        else:
+            value = args[position]
+        written += tensors(value)
+    return written
+
+
+def _flops(func: Any, out: Any, args: Any, kwargs: Dict[str, Any]) -> int:
+    counter = flop_registry.get(getattr(func, "overloadpacket", func))
+    if counter is None:
+        return 0
+    return int(counter(*args, **kwargs, out_val=out))
+
+
+class OpTimer(_Counted):
+    """Times each operator of one module call, waiting for the device before and after it."""
+
+    def __init__(self, synchronize: Callable[[], None]) -> None:
+        super().__init__()
+        self._synchronize = synchronize
+        self.times: List[Tuple[str, float]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
+        kwargs = kwargs or {}
+        if func in SAC_IGNORED_OPS:
+            return func(*args, **kwargs)
+        self._synchronize()
+        start = time.perf_counter()
+        out = func(*args, **kwargs)
+        self._synchronize()
+        self.times.append((_packet_name(func), time.perf_counter() - start))
+        return out
+
+
+def merge_calls(so_far: Optional[List[OpCost]], call: List[OpCost], first: bool) -> Optional[List[OpCost]]:
+    """The ops of a module's calls so far, with one more call added.
+
+    Selective levels name operators per module call, so they apply to every call only if
+    every call runs the same operators: otherwise the result is ``None`` (no levels).
+    """
+    if first:
+        return call
+    if so_far is None or [op.instance for op in so_far] != [op.instance for op in call]:
+        return None
+    return [
+        dataclasses.replace(
+            a,
+            bytes=a.bytes + b.bytes,
+            saved=a.saved or b.saved,
+            flops=a.flops + b.flops,
+            mutated=a.mutated or b.mutated,
+        )
+        for a, b in zip(so_far, call)
+    ]
+
+
+def with_times(
+    ops: Optional[List[OpCost]], runs: Sequence[Sequence[Tuple[str, float]]]
+) -> Optional[List[OpCost]]:
+    """``ops`` with the median time of each over ``runs`` (timed calls of one module call)
+    added to their times; a run whose operators differ from ``ops`` is left out."""
+    if not ops:
+        return ops
+    names = [op.op for op in ops]
+    usable = [run for run in runs if [name for name, _ in run] == names]
+    if not usable:
+        return ops
+    return [
+        dataclasses.replace(op, time=op.time + statistics.median(run[i][1] for run in usable))
+        for i, op in enumerate(ops)
+    ]
