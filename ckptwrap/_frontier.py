@@ -20,6 +20,7 @@ from .measure import ModelProfile, profile_modules
 from .policy import Blocks, Intersection, Policy, as_policy, split_modifiers
 from .policy._solver import CostItem, predicted_peak, smallest_reachable_peak, solve_budget
 from .wrap._costs import forward_items
+from .wrap._step_terms import with_step_terms
 from .wrap import plan
 
 __all__ = ["Point", "frontier", "pareto_points", "reference_points"]
@@ -75,7 +76,7 @@ def pareto_points(
     candidates = _candidate_policy(as_policy(policy))
     names = frontier_candidates(model, policy, nested=nested)
     if profile is None:
-        profile = profile_modules(model, names, inputs)
+        profile = profile_modules(model, names, inputs, step=True)
     else:
         absent = [name for name in names if name not in profile]
         if absent:
@@ -84,17 +85,17 @@ def pareto_points(
                 f"{policy!r} ({', '.join(absent[:3])}); pass a profile of all of them, or none "
                 f"to profile here"
             )
-    ordered = forward_items(profile, names, segments=True)
+    ordered, tail = with_step_terms(forward_items(profile, names, segments=True), profile)
     names = [name for name, _ in ordered]
     items = [item for _, item in ordered]
     base = profile.base_bytes
-    references = reference_points(items, base=base, candidates=str(candidates))
+    references = reference_points(items, base=base, candidates=str(candidates), tail=tail)
     index = {name: i for i, name in enumerate(names)}
     if chosen and all(name in index for name in chosen):
-        own = _point(f"policy {policy}", items, [index[n] for n in chosen], base)
+        own = _point(f"policy {policy}", items, [index[n] for n in chosen], base, tail)
         if all(own.names != other.names for other in references):
             references.append(own)
-    return frontier(items, base=base), references
+    return frontier(items, base=base, tail=tail), references
 
 
 def frontier_candidates(model: nn.Module, policy: str, *, nested: bool = False) -> List[str]:
@@ -124,7 +125,7 @@ def _candidate_policy(policy: Policy) -> Policy:
 
 
 def frontier(
-    items: Sequence[CostItem], *, base: int, points: int = _FRONTIER_POINTS
+    items: Sequence[CostItem], *, base: int, points: int = _FRONTIER_POINTS, tail: int = 0
 ) -> List[Point]:
     """The least recompute time for each predicted peak, from the smallest reachable peak
     to checkpointing nothing.
@@ -133,6 +134,7 @@ def frontier(
         items: The candidates, in model order.
         base: Bytes of activations outside every candidate.
         points: How many evenly spaced budgets to solve for, ends included.
+        tail: As for :func:`~ckptwrap.policy._solver.predicted_peak`.
 
     Returns:
         The plans found, dominated ones dropped, by ascending peak and so by strictly
@@ -143,12 +145,12 @@ def frontier(
     """
     if isinstance(points, bool) or not isinstance(points, int) or points < 2:
         raise CheckpointConfigError(f"points must be an integer >= 2, got {points!r}")
-    low = smallest_reachable_peak(items, base=base)
-    high = predicted_peak(items, (), base=base)
+    low = smallest_reachable_peak(items, base=base, tail=tail)
+    high = predicted_peak(items, (), base=base, tail=tail)
     budgets = sorted({low + (high - low) * k // (points - 1) for k in range(points)})
     solved = []
     for budget in budgets:
-        solution = solve_budget(items, budget, base=base)
+        solution = solve_budget(items, budget, base=base, tail=tail)
         names = tuple(items[i].name for i in solution.selected)
         label = f"budget:{100 * budget / max(high, 1):.0f}%"
         solved.append(Point(label, solution.predicted_peak, solution.recompute_time, names))
@@ -161,28 +163,32 @@ def frontier(
     return best
 
 
-def reference_points(items: Sequence[CostItem], *, base: int, candidates: str) -> List[Point]:
+def reference_points(
+    items: Sequence[CostItem], *, base: int, candidates: str, tail: int = 0
+) -> List[Point]:
     """Fixed policies to compare with the frontier: all candidates, every other one, and
     ``checkpoint_sequential`` with about sqrt(n) segments."""
     n = len(items)
     return [
-        _point(f"{candidates} (all {n})", items, range(n), base),
-        _point("every:2", items, range(0, n, 2), base),
-        _sequential_point(items, base),
+        _point(f"{candidates} (all {n})", items, range(n), base, tail),
+        _point("every:2", items, range(0, n, 2), base, tail),
+        _sequential_point(items, base, tail),
     ]
 
 
-def _point(label: str, items: Sequence[CostItem], selected: Sequence[int], base: int) -> Point:
+def _point(
+    label: str, items: Sequence[CostItem], selected: Sequence[int], base: int, tail: int = 0
+) -> Point:
     selected = list(selected)
     return Point(
         label,
-        predicted_peak(items, selected, base=base),
+        predicted_peak(items, selected, base=base, tail=tail),
         math.fsum(items[i].time for i in selected),
         tuple(items[i].name for i in selected),
     )
 
 
-def _sequential_point(items: Sequence[CostItem], base: int) -> Point:
+def _sequential_point(items: Sequence[CostItem], base: int, tail: int = 0) -> Point:
     """``checkpoint_sequential`` as the cost model sees it: about sqrt(n) segments of
     consecutive candidates, each checkpointed as one region that keeps its first input;
     the last segment, as in ``checkpoint_sequential``, is not checkpointed. Candidates that
@@ -196,7 +202,7 @@ def _sequential_point(items: Sequence[CostItem], base: int) -> Point:
     label = f"checkpoint_sequential, {segments} segments"
     names = tuple(item.name for item in items[: bounds[segments - 1]])
     if all(items[i].joins is not None for group in groups for i in group[1:]):
-        peak = predicted_peak(items, [group for group in groups if group], base=base)
+        peak = predicted_peak(items, [group for group in groups if group], base=base, tail=tail)
         return Point(label, peak, math.fsum(items[i].time for i in range(len(names))), names)
     merged = [
         CostItem(
@@ -204,8 +210,11 @@ def _sequential_point(items: Sequence[CostItem], base: int) -> Point:
             kept=sum(item.kept for item in items[bounds[k] : bounds[k + 1]]),
             inputs=items[bounds[k]].inputs,
             time=math.fsum(item.time for item in items[bounds[k] : bounds[k + 1]]),
+            # The segment's backward and recomputation carry its members' largest terms.
+            grads=max(item.grads for item in items[bounds[k] : bounds[k + 1]]),
+            recompute_grads=max(item.recompute_grads for item in items[bounds[k] : bounds[k + 1]]),
         )
         for k in range(segments)
     ]
-    point = _point(label, merged, range(segments - 1), base)
+    point = _point(label, merged, range(segments - 1), base, tail)
     return dataclasses.replace(point, names=names)

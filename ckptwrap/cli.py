@@ -97,7 +97,9 @@ def _run_plan(args: argparse.Namespace) -> int:
     # With --pareto, one profile of the frontier's candidates serves the plan and the
     # drawing, so that the legend shows what the table says.
     frontier_profile = (
-        profile_modules(model, frontier_candidates(model, args.policy, nested=args.nested), inputs)
+        profile_modules(
+            model, frontier_candidates(model, args.policy, nested=args.nested), inputs, step=True
+        )
         if figure is not None
         else None
     )

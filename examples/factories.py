@@ -54,9 +54,10 @@ def conv_pyramid() -> "ConvPyramid":
         python -m ckptwrap plan examples/factories.py:conv_pyramid \\
             --input-shape 8,3,128,128 --policy budget:70%
 
-    Checkpointing its blocks cannot bring activation memory below about 40%: the stem's
-    activations and every block's output stay (the next block saves it), and one block is
-    recomputed at a time, so ``budget:25%`` is refused with the smallest reachable peak.
+    Checkpointing its blocks cannot bring the training step's peak below about 50%: the
+    stem's activations and every block's output stay (the next block saves it), one block
+    is recomputed at a time, and the high-resolution stages' gradients come on top, so
+    ``budget:25%`` is refused with the smallest reachable peak.
     """
     return ConvPyramid(in_channels=3, widths=PYRAMID_WIDTHS, blocks_per_stage=2, classes=10)
 

@@ -110,7 +110,8 @@ def test_budget_plan_fits_its_budget(capsys):
     )
     assert code == 0, err
     data = json.loads(out)
-    assert data["predicted_peak"] <= data["budget"] < data["activation_bytes"]
+    # budget:80% is 80% of the un-checkpointed step's peak.
+    assert data["predicted_peak"] <= data["budget"] == int(0.8 * data["plain_peak"])
     assert data["selected"]
 
 
@@ -420,8 +421,8 @@ def test_pareto_profiles_the_model_once_and_draws_what_the_table_says(capsys, mo
     monkeypatch.setattr(cli, "_figure_module", lambda path: object())  # no matplotlib needed
     monkeypatch.setattr(cli, "_draw", lambda figure, path, line, references, title: drawn.append(references))
     code, out, err = _run(
-        capsys, f"{_HERE}:tiny_stack", "--input-shape", "4,32,16", "--policy", "budget:60%",
-        "--pareto", "f.png", "--json",
+        capsys, f"{_HERE}:tiny_stack", "--input-shape", "4,32,16", "--policy",
+        "budget:80%;recompute", "--pareto", "f.png", "--json",
     )
     assert code == 0, err
     assert len(calls) == 1

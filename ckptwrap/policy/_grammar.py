@@ -14,7 +14,7 @@ from torch import nn
 
 from .._errors import CheckpointConfigError
 from ._base import Policy, _install_operand_converter, _PolicyNotImplemented
-from ._modifiers import Budget, Offload, Selective
+from ._modifiers import Budget, Offload, Recompute, Selective
 from ._numbers import abbreviate, check_fraction, parse_count, parse_decimal
 from ._terms import (
     All,
@@ -95,6 +95,7 @@ _SYNTAX: Dict[str, _Syntax] = {
     "last": _Syntax("last:K", _count("last", "K", Last)),
     "fraction": _Syntax("fraction:P", _fraction),
     "budget": _Syntax("budget:X", Budget),
+    "recompute": _Syntax("recompute", lambda _: Recompute()),
     "selective": _Syntax("selective[:OP,...]", _selective, optional=True),
     "offload": _Syntax("offload", lambda _: Offload()),
 }
@@ -112,8 +113,11 @@ def parse_policy(spec: str) -> Policy:
     keywords and class names are case-sensitive. ``none`` with other terms selects
     nothing (the others are still checked against the model, so typos surface).
     ``budget:X`` (choose among the candidates from measured costs so activation memory
-    fits X), ``selective[:OP,...]`` and ``offload`` (how the chosen modules save memory)
-    join with ``;`` only; :func:`ckptwrap.plan` acts on them.
+    fits X), ``recompute``, ``selective[:OP,...]`` and ``offload`` (how the chosen modules
+    save memory) join with ``;`` only; :func:`ckptwrap.plan` acts on them. A budget plan
+    may recompute a module whole or save some of its operators' outputs (a selective
+    level), whichever costs less time; ``recompute`` limits it to whole modules
+    (``budget:50%;recompute``).
 
     Args:
         spec: The policy string, e.g. ``"blocks"`` or ``"type:GPT2Block;last:6"``.

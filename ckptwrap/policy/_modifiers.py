@@ -1,10 +1,11 @@
-"""Terms that say how much or how, not which: ``budget:``, ``selective`` and ``offload``.
+"""Terms that say how much or how, not which: ``budget:``, ``recompute``, ``selective``
+and ``offload``.
 
 They combine with the selecting terms through ``;`` / ``&`` only. Inside a selection they
 pick every candidate (so ``select`` still works on a policy that contains them); the
 planner takes them out and acts on them: ``budget:`` chooses among the candidates from
-measured costs, ``selective`` and ``offload`` change what happens inside the chosen
-modules.
+measured costs, ``recompute``, ``selective`` and ``offload`` say what happens inside the
+chosen modules.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ __all__ = [
     "Budget",
     "DEFAULT_SELECTIVE_OPS",
     "Offload",
+    "Recompute",
     "Selective",
     "split_modifiers",
 ]
@@ -102,8 +104,9 @@ class Budget(_Modifier):
             f"{MAX_BYTES} B (8 EiB), such as budget:512MiB"
         )
 
-    def resolve(self, activation_bytes: int) -> int:
-        """The budget in bytes, given the un-checkpointed activation memory.
+    def resolve(self, plain_peak: int) -> int:
+        """The budget in bytes, given the predicted peak of the un-checkpointed training
+        step (above what was allocated before it), which a percentage is a share of.
 
         A percentage resolves to a :class:`PercentBudget`, an int that remembers it, so
         that a budget below reach is reported in percent too.
@@ -111,7 +114,7 @@ class Budget(_Modifier):
         fraction, amount = self.parsed()
         if fraction is None:
             return int(amount)  # type: ignore[arg-type]
-        return PercentBudget(fraction, activation_bytes, of="the un-checkpointed activation memory")
+        return PercentBudget(fraction, plain_peak, of="the un-checkpointed step's peak")
 
 
 def _unit_names() -> Tuple[str, ...]:
@@ -139,6 +142,19 @@ class Selective(_Modifier):
 
 
 @dataclasses.dataclass(frozen=True)
+class Recompute(_Modifier):
+    """``recompute``: recompute each chosen module whole. A ``budget:`` plan otherwise may
+    also checkpoint a module at a selective level (saving the outputs of some of its
+    operators, recomputing the rest) where that costs less time; with this term it
+    chooses among whole modules only (``budget:50%;recompute``), as a baseline to compare
+    against, or where saving operator outputs is not wanted. Without a budget it changes
+    nothing: modules are recomputed whole anyway."""
+
+    def describe(self) -> str:
+        return "recompute"
+
+
+@dataclasses.dataclass(frozen=True)
 class Offload(_Modifier):
     """``offload``: keep the chosen modules' saved tensors in CPU memory (pinned when the
     model is on CUDA) instead of recomputing them."""
@@ -151,12 +167,12 @@ def split_modifiers(policy: Policy) -> Tuple[Policy, Optional[Budget], Optional[
     """Take the modifier terms out of ``policy``.
 
     Returns:
-        (the selecting rest, the budget term or None, the tier term (Selective or
-        Offload) or None). The rest is ``blocks`` when nothing else selects.
+        (the selecting rest, the budget term or None, the tier term (Recompute,
+        Selective or Offload) or None). The rest is ``blocks`` when nothing else selects.
 
     Raises:
         CheckpointConfigError: A modifier appears inside ``|`` or ``~``, appears twice,
-            or ``selective`` is combined with ``offload``.
+            or two of ``recompute``, ``selective`` and ``offload`` are combined.
     """
     if isinstance(policy, _Modifier):
         parts_sets, parts_pickers = (), (policy,)
@@ -175,7 +191,7 @@ def split_modifiers(policy: Policy) -> Tuple[Policy, Optional[Budget], Optional[
     if len(budgets) > 1 or len(tiers) > 1:
         twice = budgets if len(budgets) > 1 else tiers
         raise CheckpointConfigError(
-            f"a policy takes at most one budget term and one of selective/offload; got "
+            f"a policy takes at most one budget term and one of recompute/selective/offload; got "
             f"{', '.join(m.describe() for m in twice)}"
         )
     if not parts_sets and not pickers:
@@ -197,6 +213,6 @@ def _reject_nested_modifiers(policy: Policy) -> None:
         ):
             raise CheckpointConfigError(
                 f"{part.describe()} cannot stand inside '|' or '~' in {policy.describe()}; "
-                f"join budget, selective and offload to the rest with ';' (or &)"
+                f"join budget, recompute, selective and offload to the rest with ';' (or &)"
             )
         _reject_nested_modifiers(part)

@@ -5,6 +5,7 @@ one for a module that runs inside the segment of the module before it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -18,9 +19,10 @@ from .._warn import warn
 from ._decorator import decorator_options
 from ._options import CheckpointOptions
 from ._region import RngSnapshot, region_switched_off, run_offloaded, run_region, run_segment
+from ._selective import SavedInstances
 from ._wrapper import CheckpointWrapper
 
-__all__ = ["marking"]
+__all__ = ["entry_options", "marking"]
 
 
 class _CheckpointedForward:
@@ -185,11 +187,26 @@ def _warn_broken_segment(module: nn.Module) -> None:
     )
 
 
+def entry_options(options: CheckpointOptions, saved_ops: Tuple[Tuple[str, int], ...]) -> CheckpointOptions:
+    """The options a plan's module runs with: the plan's, and for a selective level a
+    ``context_fn`` that saves its operator calls."""
+    if not saved_ops:
+        return options
+    return dataclasses.replace(options, context_fn=SavedInstances(saved_ops))
+
+
 def marking(module: nn.Module) -> Optional[Tuple[str, CheckpointOptions]]:
-    """How ``module`` is already checkpointed, if it is: (what marks it, its options)."""
+    """How ``module`` is already checkpointed, if it is: (what marks it, its options).
+
+    For a module ``wrap_model`` marks, these are the options of its plan: the selective
+    level a budget plan chose for it is the plan's choice, not an option given.
+    """
     forward = module.__dict__.get("forward")
     if isinstance(forward, (_CheckpointedForward, _SegmentMember)):
-        return "wrap_model", forward.options
+        options = forward.options
+        if isinstance(options.context_fn, SavedInstances):
+            options = dataclasses.replace(options, context_fn=None)
+        return "wrap_model", options
     if isinstance(module, CheckpointWrapper):
         return "CheckpointWrapper", module.checkpoint_options
     options = decorator_options(type(module))

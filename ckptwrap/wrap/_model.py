@@ -8,8 +8,10 @@ and after unwrapping.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+import pickle
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -18,7 +20,7 @@ from torch import nn
 from .._errors import CheckpointConfigError
 from .._warn import warn
 from ._costs import as_example
-from ._forwards import _CheckpointedForward, _SegmentMember
+from ._forwards import _CheckpointedForward, _SegmentMember, entry_options
 from ._plan import Plan, PlanEntry
 from ._planning import _select, plan
 from ._ranks import agreed_plan
@@ -37,6 +39,7 @@ def wrap_model(
     example_inputs: Any = None,
     example_kwargs: Optional[Dict[str, Any]] = None,
     follow_shapes: Optional[bool] = None,
+    loss_fn: Optional[Callable[[Any], Any]] = None,
     **options: Any,
 ) -> nn.Module:
     """Checkpoint the submodules ``policy`` selects, in place, and return the model.
@@ -65,6 +68,8 @@ def wrap_model(
             applies one plan), which every rank must reach at the same step, so pass
             ``True`` only if every rank sees the same input shapes at the same steps.
             ``False`` keeps the first plan for every shape.
+        loss_fn: See :func:`plan`. Kept for planning again at new shapes, but not
+            pickled with the model: after unpickling, plans made then use the default.
         **options: Engine options of :func:`ckptwrap.checkpoint`.
 
     Returns:
@@ -92,7 +97,7 @@ def wrap_model(
         if budget is not None:
             _remove_pending(model)
             model.register_forward_pre_hook(
-                _PlanPerShape(policy, nested, options, follow_shapes), with_kwargs=True
+                _PlanPerShape(policy, nested, options, follow_shapes, loss_fn), with_kwargs=True
             )
             setattr(model, PLAN_ATTRIBUTE, dataclasses.replace(unmeasured, pending=True))
             return model
@@ -100,7 +105,7 @@ def wrap_model(
         return model
     applied = plan(
         model, policy, nested=nested, example_inputs=example_inputs,
-        example_kwargs=example_kwargs, **options,
+        example_kwargs=example_kwargs, loss_fn=loss_fn, **options,
     )
     if budget is None:
         _apply(model, applied)
@@ -108,7 +113,7 @@ def wrap_model(
     applied = agreed_plan(model, applied)
     _remove_pending(model)
     _apply(model, applied)
-    hook = _PlanPerShape(policy, nested, options, follow_shapes)
+    hook = _PlanPerShape(policy, nested, options, follow_shapes, loss_fn)
     hook.seed(input_shapes(*as_example(example_inputs, example_kwargs)), applied)
     model.register_forward_pre_hook(hook, with_kwargs=True)
     return model
@@ -151,8 +156,9 @@ def _mark(model: nn.Module, applied: Plan) -> Dict[str, nn.Module]:
         while name is not None:
             chain.append(members[name])
             name = follower.get(name)
+        options = entry_options(applied.options, entry.saved_ops)
         module.forward = _CheckpointedForward(
-            module, applied.options, module.__dict__.get("forward"), offload, tuple(chain)
+            module, options, module.__dict__.get("forward"), offload, tuple(chain)
         )
     return modules
 
@@ -213,9 +219,15 @@ class _PlanPerShape:
     """
 
     def __init__(
-        self, policy: Any, nested: bool, options: Dict[str, Any], follow_shapes: Optional[bool]
+        self,
+        policy: Any,
+        nested: bool,
+        options: Dict[str, Any],
+        follow_shapes: Optional[bool],
+        loss_fn: Optional[Callable[[Any], Any]] = None,
     ) -> None:
         self.policy = policy
+        self.loss_fn = loss_fn
         self.nested = nested
         self.options = options
         self.follow_shapes = follow_shapes
@@ -223,6 +235,23 @@ class _PlanPerShape:
         self.applied: Optional[Plan] = None  # the plan whose modules this hook marked
         self.noted: set = set()  # buckets left unplanned, said so once each
         self.busy = False
+
+    def __getstate__(self) -> Dict[str, Any]:
+        # A loss function is often a lambda or a closure, which cannot pickle; plans made
+        # after unpickling then use the default loss.
+        state = dict(self.__dict__)
+        try:
+            pickle.dumps(self.loss_fn)
+        except Exception:  # noqa: BLE001 - whatever stops it pickling, leave it out
+            state["loss_fn"] = None
+        return state
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> "_PlanPerShape":
+        # A copy in memory keeps the loss function, pickleable or not.
+        copied = object.__new__(type(self))
+        memo[id(self)] = copied
+        copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return copied
 
     def seed(self, shapes: Shapes, applied: Plan) -> None:
         """Start from ``applied``, made by ``wrap_model`` on inputs of ``shapes``."""
@@ -249,7 +278,7 @@ class _PlanPerShape:
         first = self.applied is None
         applied = self._plan(model, args, kwargs, shapes)
         self.plans.add(shapes, applied)
-        peak = f"{(applied.predicted_peak or 0) / 2**20:.1f} MiB of activations predicted at the peak"
+        peak = f"{(applied.predicted_peak or 0) / 2**20:.1f} MiB predicted at the training step's peak"
         if first:
             warn(
                 f"ckptwrap measured {type(model).__name__} on its first training forward and "
@@ -278,7 +307,7 @@ class _PlanPerShape:
         try:
             made = plan(
                 model, self.policy, nested=self.nested, example_inputs=args,
-                example_kwargs=kwargs, **self.options,
+                example_kwargs=kwargs, loss_fn=self.loss_fn, **self.options,
             )
             made = agreed_plan(model, made)
         except BaseException as error:

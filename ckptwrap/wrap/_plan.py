@@ -27,6 +27,20 @@ class PlanEntry:
     joins: Optional[str] = None
     """The selected module just before it whose checkpointed region it runs in, as one
     segment that keeps only the segment's first input; None when it has its own region."""
+    option: Optional[str] = None
+    """How a measured plan checkpoints it: ``recompute`` (all of it), a selective level's
+    label (``save mm x3, addmm x2``: those operators' outputs are saved, the rest
+    recomputed) or ``segment`` (in one region with its neighbours); None when unmeasured
+    or for the ``selective`` and ``offload`` tiers."""
+    saved_ops: Tuple[Tuple[str, int], ...] = ()
+    """For a selective level: ``(operator packet, occurrence)`` of each operator call of
+    its forward whose output is saved; empty otherwise."""
+
+    def __post_init__(self) -> None:
+        # Kept as tuples of (str, int) whatever was given (JSON lists, say), so that
+        # entries compare equal across a round trip.
+        ops = tuple((str(name), int(index)) for name, index in self.saved_ops)
+        object.__setattr__(self, "saved_ops", ops)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,11 +67,17 @@ class Plan:
     selective_ops: Tuple[str, ...] = ()
     """Operators whose outputs are saved, for the ``selective`` tier."""
     budget: Optional[int] = None
-    """The activation-memory budget in bytes, for a ``budget:`` policy."""
+    """The budget in bytes, for a ``budget:`` policy: a cap on ``predicted_peak``."""
     activation_bytes: Optional[int] = None
-    """Measured activation memory of the un-checkpointed model, bytes."""
+    """Measured activation memory of the un-checkpointed model, bytes: what its forward
+    saves for backward."""
     predicted_peak: Optional[int] = None
-    """Predicted activation memory at the peak with this plan, bytes."""
+    """Predicted peak of one training step (forward, loss and backward) with this plan,
+    in bytes above what was allocated before the step: activations, recomputations,
+    gradients of activations, backward temporaries and parameter gradients."""
+    plain_peak: Optional[int] = None
+    """Predicted peak of the same step with nothing checkpointed, bytes; ``budget:NN%``
+    is a share of it."""
     pending: bool = False
     """True while the plan waits for the first training forward to measure costs."""
 
@@ -103,6 +123,7 @@ class Plan:
             "budget": self.budget,
             "activation_bytes": self.activation_bytes,
             "predicted_peak": self.predicted_peak,
+            "plain_peak": self.plain_peak,
             "saved_bytes": self.saved_bytes,
             "recompute_time": self.recompute_time,
         }
@@ -129,20 +150,29 @@ class Plan:
                 for e in self.selected
             ]
             rows.append(("total", "", f"{self.saved_bytes / _MIB:.2f}", f"{self.recompute_time * 1e3:.2f}"))
-            lines += _table(("module", "class", "saves MiB", "recompute ms"), rows)
+            header: Tuple[str, ...] = ("module", "class", "saves MiB", "recompute ms")
+            if any(e.option is not None for e in self.selected):
+                header += ("option",)
+                rows = [(*row, e.option or "") for row, e in zip(rows, self.selected)] + [(*rows[-1], "")]
+            lines += _table(header, rows)
         else:
             lines += _table(("module", "class"), [(_shown(e), e.kind) for e in self.selected])
         if any(e.joins for e in self.selected):
             lines.append("(+ runs in one region with the module above it: a segment)")
         if self.activation_bytes is not None and self.predicted_peak is not None:
+            plain = self.plain_peak if self.plain_peak is not None else self.activation_bytes
             summary = (
-                f"activation memory: {self.activation_bytes / _MIB:.2f} MiB without checkpointing, "
-                f"{self.predicted_peak / _MIB:.2f} MiB predicted at the peak "
-                f"({self.predicted_peak / max(self.activation_bytes, 1):.0%})"
+                f"training step peak: {plain / _MIB:.2f} MiB predicted without checkpointing, "
+                f"{self.predicted_peak / _MIB:.2f} MiB with this plan "
+                f"({self.predicted_peak / max(plain, 1):.0%})"
             )
             if self.budget is not None:
                 summary += f"; budget {self.budget / _MIB:.2f} MiB"
             lines.append(summary)
+            lines.append(
+                f"(activations saved for backward without checkpointing: "
+                f"{self.activation_bytes / _MIB:.2f} MiB)"
+            )
         if self.dropped:
             lines.append("left out:")
             lines += _table(("module", "reason"), list(self.dropped))

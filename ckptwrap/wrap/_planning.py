@@ -5,7 +5,7 @@ a budget keeps; nothing in the model changes.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -31,6 +31,7 @@ def plan(
     nested: bool = False,
     example_inputs: Any = None,
     example_kwargs: Optional[Dict[str, Any]] = None,
+    loss_fn: Optional[Callable[[Any], Any]] = None,
     **options: Any,
 ) -> Plan:
     """What :func:`wrap_model` would do with these arguments, without changing ``model``.
@@ -47,6 +48,11 @@ def plan(
             memory and time; a ``budget:`` policy needs them. The model runs as it is
             (profile a training model in train mode); its state is left unchanged.
         example_kwargs: Keyword inputs of that forward.
+        loss_fn: How the training step turns the model's output into the loss
+            (``loss_fn(output) -> scalar tensor``), for measuring the step whose peak the
+            plan predicts and a budget caps. By default the output itself if it is a
+            scalar, its ``loss`` if it has one (a Hugging Face output given labels), else
+            each floating-point output gets a gradient of ones.
         **options: Engine options of :func:`ckptwrap.checkpoint`.
 
     Returns:
@@ -60,7 +66,7 @@ def plan(
     """
     return plan_and_profile(
         model, policy, nested=nested, example_inputs=example_inputs,
-        example_kwargs=example_kwargs, **options,
+        example_kwargs=example_kwargs, loss_fn=loss_fn, **options,
     )[0]
 
 
@@ -72,6 +78,7 @@ def plan_and_profile(
     example_inputs: Any = None,
     example_kwargs: Optional[Dict[str, Any]] = None,
     profile: Optional[ModelProfile] = None,
+    loss_fn: Optional[Callable[[Any], Any]] = None,
     **options: Any,
 ) -> Tuple[Plan, Optional[ModelProfile]]:
     """:func:`plan`, and the profile its predictions come from (None when unmeasured).
@@ -81,6 +88,11 @@ def plan_and_profile(
     plan.
     """
     unmeasured, budget = _select(model, policy, nested, options)
+    if loss_fn is not None and not callable(loss_fn):
+        raise CheckpointConfigError(
+            f"loss_fn must be a callable loss_fn(output) -> loss tensor, got "
+            f"{type(loss_fn).__name__} {loss_fn!r}."
+        )
     if budget is None and example_inputs is None and example_kwargs is None:
         return unmeasured, None
     if example_inputs is None and example_kwargs is None:
@@ -98,7 +110,10 @@ def plan_and_profile(
         save_policy=save_policy,
         # Segments run on the non-re-entrant engine only.
         segments=unmeasured.tier == "recompute" and not unmeasured.options.use_reentrant,
+        levels=budget is not None and _levels_allowed(policy, unmeasured),
+        tier=unmeasured.tier,
         profile=profile,
+        loss_fn=loss_fn,
     )
     measured = dataclasses.replace(
         unmeasured,
@@ -107,8 +122,24 @@ def plan_and_profile(
         budget=choice.budget,
         activation_bytes=choice.activation_bytes,
         predicted_peak=choice.predicted_peak,
+        plain_peak=choice.plain_peak,
     )
     return measured, choice.profile
+
+
+def _levels_allowed(policy: Any, unmeasured: Plan) -> bool:
+    """Whether a budget plan may checkpoint a module at a selective level: on the plain
+    recompute tier (no ``recompute`` term asking for whole modules), on the non-re-entrant
+    engine (which alone takes a ``context_fn``), and without a ``context_fn`` of the
+    caller's, which a level's would replace."""
+    tier = split_modifiers(as_policy(policy))[2]
+    options = unmeasured.options
+    return (
+        tier is None
+        and unmeasured.tier == "recompute"
+        and not options.use_reentrant
+        and options.context_fn is None
+    )
 
 
 def _refuse_inference(

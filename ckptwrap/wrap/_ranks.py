@@ -63,4 +63,5 @@ def _choice(plan: Plan) -> Dict[str, Any]:
         "budget": plan.budget,
         "activation_bytes": plan.activation_bytes,
         "predicted_peak": plan.predicted_peak,
+        "plain_peak": plan.plain_peak,
     }

@@ -1,19 +1,23 @@
-"""The ``selective`` tier: save chosen operators' outputs, recompute everything else.
+"""Selective checkpointing: save chosen operators' outputs, recompute everything else.
 
-Built on torch's ``create_selective_checkpoint_contexts`` and handed to the engine as
-``context_fn``. A small class rather than a closure, so wrapped models still pickle.
+``SelectiveContexts`` (the ``selective`` tier) saves every call of the named operators;
+``SavedInstances`` (a budget plan's selective level) saves chosen calls, named by operator
+and occurrence. Both build on torch's ``create_selective_checkpoint_contexts`` and are
+handed to the engine as ``context_fn``; small classes rather than closures, so wrapped
+models still pickle.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Tuple
+from collections import defaultdict
+from typing import Any, ContextManager, Dict, Iterable, Tuple
 
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from ..policy._ops import resolve_ops
 
-__all__ = ["SelectiveContexts"]
+__all__ = ["SavedInstances", "SelectiveContexts"]
 
 
 class SelectiveContexts(functools.partial):
@@ -59,3 +63,69 @@ class _SavePolicy:
 
     def __reduce__(self) -> Tuple[Any, ...]:
         return (_SavePolicy, (self.ops,))
+
+
+Instance = Tuple[str, int]
+
+
+class SavedInstances(functools.partial):
+    """``context_fn`` that saves the outputs of chosen operator calls, named as
+    ``(packet, occurrence)``: ``("mm", 2)`` is the third ``aten.mm`` call of the region.
+
+    Occurrences count per packet within one region's forward, afresh for every call of
+    ``context_fn`` (each checkpointed call gets its own), exactly as the profiler numbered
+    them. A ``functools.partial`` that compares, hashes and pickles by its instances.
+
+    Example:
+        >>> checkpoint(block, x, use_reentrant=False,
+        ...            context_fn=SavedInstances((("addmm", 0), ("mm", 1))))  # doctest: +SKIP
+    """
+
+    def __new__(cls, instances: Iterable[Instance]) -> "SavedInstances":
+        normal = tuple(sorted((str(name), int(index)) for name, index in instances))
+        return super().__new__(cls, _instance_contexts, normal)
+
+    @property
+    def instances(self) -> Tuple[Instance, ...]:
+        return self.args[0]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SavedInstances) and other.instances == self.instances
+
+    def __hash__(self) -> int:
+        return hash(self.instances)
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{name}#{index}" for name, index in self.instances)
+        return f"saved_instances({shown})"
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        return (SavedInstances, (self.instances,))
+
+
+def _instance_contexts(instances: Tuple[Instance, ...]) -> Tuple[ContextManager, ContextManager]:
+    return create_selective_checkpoint_contexts(_InstancePolicy(instances))
+
+
+class _InstancePolicy:
+    """Numbers the calls of each packet and saves the listed ones.
+
+    Forward and recomputation keep separate counts: torch versions that consult the
+    policy during recomputation too must see the same numbering there.
+    """
+
+    __slots__ = ("_wanted", "_counts")
+
+    def __init__(self, instances: Tuple[Instance, ...]) -> None:
+        self._wanted = frozenset(instances)
+        self._counts: Dict[bool, Dict[str, int]] = {False: defaultdict(int), True: defaultdict(int)}
+
+    def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        packet = getattr(op, "overloadpacket", op)
+        name = getattr(packet, "__name__", str(packet))
+        counts = self._counts[bool(getattr(ctx, "is_recompute", False))]
+        index = counts[name]
+        counts[name] += 1
+        if (name, index) in self._wanted:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE

@@ -22,7 +22,10 @@ from torch import nn
 from ckptwrap import plan, wrap_model
 
 VOCAB = 100
-BUDGET = "budget:50%"
+# The peak of a training step counts gradients and parameter gradients too, which no plan
+# lowers: this tiny T5 reaches about 55% of its un-checkpointed step's peak at best, and
+# around 80% the plan checkpoints the decoder, whose layers write the cache.
+BUDGET = "budget:80%"
 PATHS = pytest.mark.parametrize("path", ["example-inputs", "first-forward"])
 DROPOUTS = pytest.mark.parametrize("dropout", [0.0, 0.1], ids=["no-dropout", "dropout"])
 
@@ -47,7 +50,8 @@ def _batch() -> Dict[str, torch.Tensor]:
     ids = torch.randint(2, VOCAB, (2, 12), generator=generator)
     mask = torch.ones_like(ids)
     mask[1, -3:] = 0  # some padding, so the attention masks matter
-    labels = torch.randint(2, VOCAB, (2, 8), generator=generator)
+    # Targets longer than the inputs make the decoder's activations the step's peak.
+    labels = torch.randint(2, VOCAB, (2, 32), generator=generator)
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 

@@ -122,9 +122,10 @@ def test_every_example_script_prints_its_help(script):
 
 def test_a_budget_row_counts_the_modules_its_applied_plan_checkpoints(train_gpt):
     config = train_gpt.GPTConfig(width=32, heads=2, layers=6, seq_len=16, vocab=64)
-    setting = train_gpt.ckptwrap.config.from_config({"policy": "budget:50%"})
+    # Gradients count in the step's peak too: this model reaches about 66% of it at best.
+    setting = train_gpt.ckptwrap.config.from_config({"policy": "budget:80%"})
     torch.manual_seed(0)
-    trainer = train_gpt.Trainer("budget:50%", train_gpt.GPT(config), setting)
+    trainer = train_gpt.Trainer("budget:80%", train_gpt.GPT(config), setting)
     tokens, targets = train_gpt.synthetic_batch(config, 2, seed=0)
     with pytest.warns(UserWarning, match="measured GPT on its first training forward"):
         trainer.step(tokens, targets, seed=0, measure=True)  # the plan is applied here

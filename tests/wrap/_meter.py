@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Dict, List
+from typing import Callable, Dict, List
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -64,3 +64,22 @@ class ActivationMeter(TorchDispatchMode):
 
 def _key(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage()._cdata
+
+
+def allocator_step_peak(step: Callable[[], None]) -> int:
+    """Peak bytes the CPU allocator held during ``step()`` above what it held before:
+    every allocation and free, operators' own workspaces included, from ``torch.profiler``'s
+    memory events (a meter independent of ckptwrap's)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = [
+        event for event in prof.profiler.kineto_results.events()
+        if event.name() == "[memory]" and event.device_type() == torch.autograd.DeviceType.CPU
+    ]
+    live = peak = 0
+    for event in sorted(events, key=lambda event: event.start_ns()):
+        live += event.nbytes()
+        peak = max(peak, live)
+    return peak

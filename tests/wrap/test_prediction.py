@@ -1,8 +1,9 @@
-"""The plan's predicted peak against the activation peak measured in one training step.
+"""The plan's predicted peak against the peak of one whole training step, measured.
 
-The meter here counts, from the operator that creates it until it is freed, every
-storage the forward or a recomputation creates; storages backward itself creates
-(gradients, temporaries) are not counted: that is the quantity the planner predicts.
+The meter is the CPU allocator itself, read through ``torch.profiler``'s memory events:
+every allocation and free of the step (forward, loss, backward, recomputations,
+gradients, operators' workspaces) above what was allocated before it. That is the
+quantity the planner predicts and a budget caps.
 """
 
 from __future__ import annotations
@@ -16,16 +17,17 @@ import pytest
 import torch
 from torch import nn
 
+import ckptwrap
 from ckptwrap import plan, wrap_model
 
-from ._meter import ActivationMeter
+from ._meter import allocator_step_peak
 from ._models import SEQ, VOCAB, TinyGPT, make, marked
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from factories import ConvPyramid  # noqa: E402
 from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 
-TOLERANCE = 0.10
+TOLERANCE = 0.05
 """The predicted peak must be within this share of the measured one."""
 _MIB = float(1 << 20)
 
@@ -74,15 +76,34 @@ def _three_stage_pyramid() -> _Workload:
     return _Workload(model, (images,), lambda logits: nn.functional.cross_entropy(logits, labels))
 
 
+def _gpt2() -> _Workload:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        vocab_size=256, n_positions=64, n_embd=64, n_layer=4, n_head=4, bos_token_id=0,
+        eos_token_id=0,
+    )
+    model = make(lambda: transformers.GPT2LMHeadModel(config)).train()
+    ids = torch.randint(256, (4, 64), generator=torch.Generator().manual_seed(3))
+    targets = ids[:, 1:].flatten()
+
+    def loss(output: Any) -> torch.Tensor:
+        return nn.functional.cross_entropy(output.logits[:, :-1].flatten(0, 1), targets)
+
+    return _Workload(model, (ids,), loss)
+
+
 def _measured_peak(model: nn.Module, workload: _Workload) -> int:
-    """The activation peak of one training step of ``model`` on the workload's inputs."""
+    """The peak of one training step of ``model`` on the workload's inputs, from fresh
+    gradients."""
     model.zero_grad(set_to_none=True)
-    torch.manual_seed(1)
-    with ActivationMeter() as meter:
-        loss = workload.loss(model(*workload.inputs))
-        meter.in_backward = True
-        loss.backward()
-    return meter.peak
+
+    def step() -> None:
+        torch.manual_seed(1)
+        workload.loss(model(*workload.inputs)).backward()
+
+    peak = allocator_step_peak(step)
+    model.zero_grad(set_to_none=True)
+    return peak
 
 
 def _wrapped(workload: _Workload, policy: str) -> Tuple[nn.Module, Optional[int]]:
@@ -94,10 +115,12 @@ def _wrapped(workload: _Workload, policy: str) -> Tuple[nn.Module, Optional[int]
     measured, noisy times. Other policies select by name alone, so ``plan()`` on a copy
     predicts for the very modules wrap_model marks.
     """
-    planned = plan(copy.deepcopy(workload.model), policy, example_inputs=workload.inputs)
+    planned = plan(
+        copy.deepcopy(workload.model), policy, example_inputs=workload.inputs, loss_fn=workload.loss
+    )
     model = copy.deepcopy(workload.model)
     if "budget:" in policy:
-        wrap_model(model, policy, example_inputs=workload.inputs)
+        wrap_model(model, policy, example_inputs=workload.inputs, loss_fn=workload.loss)
         applied = model.ckptwrap_plan
         assert (applied.budget, applied.activation_bytes) == (planned.budget, planned.activation_bytes)
         assert applied.predicted_peak is not None and applied.predicted_peak <= applied.budget
@@ -130,15 +153,47 @@ _CASES = [
         for policy in ("none", "blocks", "every:2", "last:2", "budget:50%", "budget:30%", "blocks;selective")
     ),
     *((_three_stage_pyramid, policy) for policy in ("none", "blocks", "every:2", "budget:70%")),
+    *((_gpt2, policy) for policy in ("none", "blocks", "every:2", "budget:50%", "budget:50%;recompute")),
 ]
 
 
 @pytest.mark.parametrize(
     ("build", "policy"), _CASES, ids=[f"{build.__name__[1:]}-{policy}" for build, policy in _CASES]
 )
-def test_the_predicted_peak_is_within_ten_percent_of_the_measured_one(build, policy):
+def test_the_predicted_step_peak_is_within_five_percent_of_the_measured_one(build, policy):
     workload = build()
     model, predicted = _wrapped(workload, policy)
     assert marked(model) == model.ckptwrap_plan.names
     assert policy == "none" or marked(model), f"{policy}: nothing selected"
     _assert_close(policy, predicted, _measured_peak(model, workload))
+
+
+_BUDGETS = [
+    (build, policy)
+    for build in (_example_gpt, _three_stage_pyramid, _gpt2)
+    for policy in ("budget:75%", "budget:50%", "budget:30%", "budget:50%;recompute")
+]
+
+
+@pytest.mark.parametrize(
+    ("build", "policy"), _BUDGETS, ids=[f"{build.__name__[1:]}-{policy}" for build, policy in _BUDGETS]
+)
+def test_a_budget_caps_the_measured_step_peak(build, policy):
+    """``budget:NN%`` is a share of the un-checkpointed step's peak; the measured step
+    stays under it, up to 3% of that peak (the allocator's own rounding and timing)."""
+    workload = build()
+    plain = _measured_peak(workload.model, workload)
+    model = copy.deepcopy(workload.model)
+    try:
+        wrap_model(model, policy, example_inputs=workload.inputs, loss_fn=workload.loss)
+    except ckptwrap.CheckpointError as error:
+        # Only a budget below every plan's reach may be refused, and it must say so.
+        assert "below the smallest reachable peak" in str(error)
+        return
+    budget = model.ckptwrap_plan.budget
+    fraction = float(policy.split(":")[1].split("%")[0]) / 100
+    assert abs(budget - fraction * plain) <= 0.03 * plain, (budget, plain)
+    measured = _measured_peak(model, workload)
+    assert measured <= budget + 0.03 * plain, (
+        f"{policy}: measured {measured / _MIB:.2f} MiB over the budget {budget / _MIB:.2f} MiB"
+    )

@@ -11,8 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import pickle
-import warnings
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from torch import nn
 
 import ckptwrap
 from ckptwrap import plan, unwrap_model, wrap_model
+from ckptwrap._errors import CheckpointConfigError
 from ckptwrap.measure import ModelProfile
 from ckptwrap.policy._solver import predicted_peak, solve_budget
 from ckptwrap.wrap import _costs
@@ -27,6 +27,7 @@ from ckptwrap.wrap._costs import forward_items
 from ckptwrap.wrap._model import _apply
 from ckptwrap.wrap._options import CheckpointOptions
 from ckptwrap.wrap._plan import Plan, PlanEntry
+from ckptwrap.wrap._step_terms import with_step_terms
 
 from ._models import (
     CallLog,
@@ -214,36 +215,79 @@ def _constant_times(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_costs, "profile_modules", profile)
 
 
-def _sequential_budget(model: nn.Module, example: Tuple[torch.Tensor, ...]) -> Tuple[int, int]:
-    """The predicted peak of checkpoint_sequential's plan over the blocks (segments of
-    two, the last left plain), and how many blocks it recomputes."""
+def _step_items(model: nn.Module, example: Tuple[torch.Tensor, ...], *, segments: bool):
+    """The planner's whole-block items over the blocks, with the training step's terms,
+    and the base and tail of its peak model."""
     names = [f"h.{i}" for i in range(len(model.h))]
-    profile = _costs.profile_modules(model, names, example, repeats=0)
-    items = [item for _, item in forward_items(profile, names, segments=True)]
-    groups = [tuple(range(i, i + 2)) for i in range(0, len(names) - 2, 2)]
-    return predicted_peak(items, groups, base=profile.base_bytes), 2 * len(groups)
+    profile = _costs.profile_modules(model, names, example, repeats=0, step=True)
+    ordered, tail = with_step_terms(forward_items(profile, names, segments=segments), profile)
+    return [item for _, item in ordered], profile.base_bytes, tail
+
+
+class _Link(nn.Module):
+    """Two products with a nonlinearity between: it saves one tensor of its input's size
+    inside, as much as the input it hands on."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(width, width, bias=False)
+        self.fc2 = nn.Linear(width, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+class _Chain(nn.Module):
+    """Eight links in a row. Checkpointed alone, a link saves only its inside; a segment
+    also drops the boundaries between its links. Many rows and few parameters make
+    activations, not parameter gradients, the training step's peak."""
+
+    def __init__(self, links: int = 8, width: int = 32) -> None:
+        super().__init__()
+        self.h = nn.ModuleList(_Link(width) for _ in range(links))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for link in self.h:
+            x = link(x)
+        return x
+
+
+def _chain_batch() -> Tuple[torch.Tensor]:
+    return (torch.randn(4096, 32, generator=torch.Generator().manual_seed(5)),)
+
+
+def _chain_loss(model: nn.Module, batch: Tuple[torch.Tensor]) -> torch.Tensor:
+    return model(*batch).square().mean()
+
+
+def _sequential_budget(model: nn.Module, example: Tuple[torch.Tensor, ...]) -> Tuple[int, int]:
+    """The predicted step peak of checkpoint_sequential's plan over the blocks (segments
+    of two, the last left plain), and how many blocks it recomputes."""
+    items, base, tail = _step_items(model, example, segments=True)
+    groups = [tuple(range(i, i + 2)) for i in range(0, len(items) - 2, 2)]
+    return predicted_peak(items, groups, base=base, tail=tail), 2 * len(groups)
 
 
 def test_the_planner_forms_segments_at_checkpoint_sequential_s_peak(monkeypatch):
     _constant_times(monkeypatch)
-    model = _gpt(8)
-    example = (gpt_batch()[0],)
+    model = make(_Chain).train()
+    example = _chain_batch()
     budget, recomputed = _sequential_budget(model, example)
-    result = plan(model, f"budget:{budget}B", example_inputs=example)
+    # Whole blocks only, as checkpoint_sequential recomputes them.
+    policy = f"budget:{budget}B;recompute"
+    result = plan(model, policy, example_inputs=example)
     assert result.predicted_peak <= budget
     assert len(result) <= recomputed
     assert any(entry.joins for entry in result.selected)
-    # Without segments, the same peak needs more blocks.
-    names = [f"h.{i}" for i in range(8)]
-    profile = _costs.profile_modules(model, names, example, repeats=0)
-    single = [dataclasses.replace(item, time=1.0) for _, item in forward_items(profile, names)]
-    alone = solve_budget(single, budget, base=profile.base_bytes)
-    assert len(alone.selected) > len(result)
+    # Without segments, no plan reaches that peak.
+    single, base, tail = _step_items(model, example, segments=False)
+    with pytest.raises(CheckpointConfigError, match="below the smallest reachable peak"):
+        solve_budget(single, budget, base=base, tail=tail)
     # Applied, the segments train exactly like the plain model.
-    reference, _ = _plain_reference(model, gpt_loss, gpt_batch())
-    wrap_model(model, f"budget:{budget}B", example_inputs=example)
+    reference, _ = _plain_reference(model, _chain_loss, example)
+    wrap_model(model, policy, example_inputs=example)
     assert model.ckptwrap_plan.selected == result.selected
-    step(model, gpt_loss, gpt_batch())
+    step(model, _chain_loss, example)
     assert_same(grads(model), grads(reference), "planned segments")
 
 
@@ -253,8 +297,8 @@ def test_the_planner_forms_segments_at_checkpoint_sequential_s_peak(monkeypatch)
 )
 def test_no_segments_for_the_selective_tier_or_the_reentrant_engine(monkeypatch, policy, options):
     _constant_times(monkeypatch)
-    model = _gpt(8)
-    example = (gpt_batch()[0],)
+    model = make(_Chain).train()
+    example = _chain_batch()
     budget, _ = _sequential_budget(model, example)
     try:
         result = plan(model, policy.format(budget), example_inputs=example, **options)
