@@ -45,9 +45,11 @@ def test_quick_run_prints_every_table_and_the_targets():
         table = section[1].split("targets:", 1)[0]
         assert header in table and "\nnone " in table and "compile aot_eager 50%" in table
         for label in ("blocks ", "checkpoint_sequential(", "budget:75% ", "budget:50% ",
-                      "budget:30% ", "blocks;selective "):
+                      "budget:30% ", "budget:50%;recompute ", "blocks;selective "):
             assert f"\n{label}" in table, f"{name}: no row {label}"
-    for target in ("(1) budget:50% honoured", "(2) step peak never higher", "(3) at 50%", "(4, compile's"):
+    for target in ("(1) budget:50% honoured", "(1) budget:50%;recompute honoured",
+                   "(2) step peak never higher", "(3) at 50%", "(4, compile's",
+                   "(5) blocks predicted within 5%"):
         lines = [line for line in out.splitlines() if target in line]
         assert len(lines) >= len(models), f"target {target!r} printed {len(lines)} times"
         assert all(line.lstrip().startswith(("[pass]", "[fail]", "[n/a]")) for line in lines)

@@ -35,7 +35,7 @@ def test_tiny_run_on_the_cpu_measures_every_configuration(bench, capsys):
         assert name in rows, f"{name} missing from\n{out}"
     # Every configuration's gradients equal the un-checkpointed run's, bit for bit.
     assert all(rows[name][-1] == "yes" for name in bench.CONFIGURATIONS[1:]), out
-    assert "model: llama" in out and "not checked (32 tokens/step)" in out
+    assert "model: llama" in out and "not checked (512 tokens/step)" in out
 
 
 def test_falls_back_to_the_examples_gpt_without_transformers(bench, capsys, monkeypatch):
