@@ -27,22 +27,20 @@ first step (compilation) minus a normal step.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import dataclasses
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ckptwrap  # noqa: E402
+from _allocator import allocator_peak  # noqa: E402
 from _frontier_models import QUICK_SIZES, Bench, add_size_flags, build_benches  # noqa: E402
 
 FRACTIONS = (0.75, 0.5, 0.3)
@@ -189,38 +187,11 @@ def _step(bench: Bench, row: Row, *, seed: int) -> None:
     bench.loss(row.run(*bench.args, **bench.kwargs)).backward()
 
 
-@contextlib.contextmanager
-def _quiet_stderr() -> Iterator[None]:
-    """Hide the profiler library's start/stop lines, which it writes to file descriptor 2."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with open(os.devnull, "w") as null:
-        os.dup2(null.fileno(), 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
 def step_peak(bench: Bench, row: Row) -> int:
-    """Peak bytes a training step allocates on the CPU above what was live before it.
-
-    The profiler records every allocation and free of the CPU allocator, compiled code's
-    included; their running sum, in time order, peaks at the step's peak.
-    """
+    """Peak bytes a training step allocates on the CPU above what was live before it, at
+    the allocator (compiled code's allocations included)."""
     row.model.zero_grad(set_to_none=True)
-    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        _step(bench, row, seed=0)
-    events = [
-        event for event in prof.profiler.kineto_results.events()
-        if event.name() == "[memory]" and event.device_type() == torch.autograd.DeviceType.CPU
-    ]
-    live = peak = 0
-    for event in sorted(events, key=lambda event: event.start_ns()):
-        live += event.nbytes()
-        peak = max(peak, live)
-    return peak
+    return allocator_peak(lambda: _step(bench, row, seed=0))
 
 
 def measure(bench: Bench, rows: List[Row]) -> None:

@@ -49,7 +49,6 @@ import contextlib
 import copy
 import dataclasses
 import math
-import os
 import re
 import statistics
 import sys
@@ -62,7 +61,6 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -72,6 +70,9 @@ from ckptwrap.engine import _state as _engine_state
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from factories import PYRAMID_WIDTHS, ConvPyramid, conv_pyramid  # noqa: E402
 from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _allocator import allocator_peak  # noqa: E402
 
 _MIB = 1024 * 1024
 BUDGETS = (25, 50, 75)
@@ -359,44 +360,11 @@ def _meter(workload: Workload, row: Row, device: str, reference: Optional[Grads]
 
 
 def _step_peak(workload: Workload, row: Row, device: str) -> int:
-    """Peak bytes one training step allocates on ``device`` above what was live before it.
-
-    The profiler records every allocation and free of the device's allocator (convolution
-    workspaces and other temporaries included), which is what the planner predicts;
-    their running sum, in time order, peaks at the step's peak. The step's gradients are
-    left in the model.
-    """
-    kind = torch.device(device).type
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if kind == "cuda" else [])
-    device_type = getattr(torch.autograd.DeviceType, kind.upper())
+    """Peak bytes one training step allocates on ``device`` above what was live before it,
+    at the allocator (``_allocator.allocator_peak``): what the planner predicts. The
+    step's gradients are left in the model."""
     row.model.zero_grad(set_to_none=True)
-    _synchronize(device)
-    with _quiet_stderr(), profile(activities=activities, profile_memory=True) as prof:
-        _step(workload, row, seed=0)
-        _synchronize(device)
-    events = [
-        event for event in prof.profiler.kineto_results.events()
-        if event.name() == "[memory]" and event.device_type() == device_type
-    ]
-    live = peak = 0
-    for event in sorted(events, key=lambda event: event.start_ns()):
-        live += event.nbytes()
-        peak = max(peak, live)
-    return peak
-
-
-@contextlib.contextmanager
-def _quiet_stderr() -> Iterator[None]:
-    """Hide the profiler library's start/stop lines, which it writes to file descriptor 2."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with open(os.devnull, "w") as null:
-        os.dup2(null.fileno(), 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
+    return allocator_peak(lambda: _step(workload, row, seed=0), device)
 
 
 def _fewest_blocks(workload: Workload, half: Row, device: str, reference: Grads) -> Optional[Row]:

@@ -23,7 +23,7 @@ from torch.utils.flop_counter import flop_registry
 
 from ._storages import StorageMap, Tally, tensor_storages, tensors
 
-__all__ = ["OpCost", "OpRecorder", "OpTimer", "merge_calls", "with_times"]
+__all__ = ["OpCost", "OpRecorder", "OpTimer", "merge_calls", "packet_name", "with_times"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +63,9 @@ class OpCost:
         return dataclasses.asdict(self)
 
 
-def _packet_name(func: Any) -> str:
+def packet_name(func: Any) -> str:
+    """The name of an operator's overload packet: how profiler and selective policy name
+    an operator, so that their numbering agrees."""
     packet = getattr(func, "overloadpacket", func)
     return getattr(packet, "__name__", str(packet))
 
@@ -76,7 +78,7 @@ class _Counted(TorchDispatchMode):
         self._counts: Dict[str, int] = defaultdict(int)
 
     def _number(self, func: Any) -> Tuple[str, int]:
-        name = _packet_name(func)
+        name = packet_name(func)
         occurrence = self._counts[name]
         self._counts[name] += 1
         return name, occurrence
@@ -183,7 +185,7 @@ class OpTimer(_Counted):
         start = time.perf_counter()
         out = func(*args, **kwargs)
         self._synchronize()
-        self.times.append((_packet_name(func), time.perf_counter() - start))
+        self.times.append((packet_name(func), time.perf_counter() - start))
         return out
 
 

@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from .._hf import fresh_caches
+from ..engine import checkpoint, is_recomputing
 from ._clients import cache_free_arguments
 from ._peak import _StorageCounter
 from ._storages import differentiable, tensors
@@ -201,8 +202,6 @@ class _Marked:
         self.forward, self.name, self.phases = forward, name, phases
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from ..engine import is_recomputing
-
         if not is_recomputing():
             self.phases.cut(f"forward:{self.name}")
             output = self.forward(*args, **kwargs)
@@ -228,9 +227,10 @@ def measure_step(
 
     ``loss_fn(output)`` gives the loss to backpropagate from; without it, see
     :class:`StepPeaks`. With ``save_policy`` (the selective tier's), the targets are
-    checkpointed selectively, as the plan would run them. ``targets`` must not nest. Parameter gradients are returned by ``autograd.grad``, not
-    accumulated, so the model's ``.grad`` fields are left as they were; the RNG states are
-    put back, and the caller restores buffers and training flags.
+    checkpointed selectively, as the plan would run them. ``targets`` must not nest.
+    Parameter gradients are returned by ``autograd.grad``, not accumulated, so the model's
+    ``.grad`` fields are left as they were; the RNG states are put back, and the caller
+    restores buffers and training flags.
     """
     phases = _Phases(device)
     context_fn = None
@@ -291,8 +291,6 @@ def _checkpointed(
     module: nn.Module, forward: _Marked, context_fn: Optional[Any], *args: Any, **kwargs: Any
 ) -> Any:
     """One checkpointed call, with KV-cache writes off as in a checkpointed training call."""
-    from ..engine import checkpoint
-
     rewritten = cache_free_arguments(module, args, kwargs)
     if rewritten is not None:
         args, kwargs = rewritten

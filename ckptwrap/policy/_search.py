@@ -153,8 +153,9 @@ class _Search:
         n = max(1, self.n)
         if -(-span // grain) <= min(_EXACT_STEPS, max(1024, _MAX_CELLS // n)):
             return grain, True
-        extra = sum(max(0, len(ways) - 1) for ways in self.alone)
-        steps = min(_APPROX_STEPS, max(1024, _APPROX_CELLS // n), max(1024, _APPROX_OPTION_CELLS // max(1, extra)))
+        extra = max(1, sum(max(0, len(ways) - 1) for ways in self.alone))
+        bound = min(_APPROX_CELLS // n, _APPROX_OPTION_CELLS // extra)
+        steps = min(_APPROX_STEPS, max(1024, bound))
         unit = max(grain, -(-span // steps))
         return unit, all(size % unit == 0 for size in sizes)
 

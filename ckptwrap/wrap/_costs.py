@@ -194,10 +194,7 @@ def measure_and_choose(
         for segment in solution.segments:
             joins.update((ordered[i][0], ordered[i - 1][0]) for i in segment[1:])
             in_segments.update(ordered[i][0] for i in segment)
-        # A solver without options returns none: every selected candidate is then
-        # recomputed whole (option 0).
-        options = getattr(solution, "options", ()) or (0,) * len(solution.selected)
-        for index, option in zip(solution.selected, options):
+        for index, option in zip(solution.selected, solution.options):
             if option:
                 name = ordered[index][0]
                 chosen_levels[name] = levels_of[name][option - 1]

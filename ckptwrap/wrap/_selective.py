@@ -15,17 +15,33 @@ from typing import Any, ContextManager, Dict, Iterable, Tuple
 
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from ..measure._ops import packet_name
 from ..policy._ops import resolve_ops
 
 __all__ = ["SavedInstances", "SelectiveContexts"]
 
 
-class SelectiveContexts(functools.partial):
-    """``context_fn`` that saves the outputs of ``ops`` and recomputes the rest.
+class _ByValue(functools.partial):
+    """A ``context_fn`` in the form ``torch.compile`` accepts (a ``functools.partial``) that
+    compares, hashes and pickles by ``value``, the one argument its class is built from,
+    so equal options stay equal and wrapped models still pickle."""
 
-    A ``functools.partial`` (the form ``torch.compile`` accepts as a checkpoint's
-    ``context_fn``) that compares by its operators, so equal options stay equal.
-    """
+    @property
+    def value(self) -> Any:
+        raise NotImplementedError
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.value == self.value  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        return (type(self), (self.value,))
+
+
+class SelectiveContexts(_ByValue):
+    """``context_fn`` that saves the outputs of ``ops`` and recomputes the rest."""
 
     def __new__(cls, ops: Tuple[str, ...]) -> "SelectiveContexts":
         return super().__new__(cls, create_selective_checkpoint_contexts, _SavePolicy(tuple(ops)))
@@ -34,17 +50,10 @@ class SelectiveContexts(functools.partial):
     def ops(self) -> Tuple[str, ...]:
         return self.args[0].ops
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, SelectiveContexts) and other.ops == self.ops
-
-    def __hash__(self) -> int:
-        return hash(self.ops)
+    value = ops
 
     def __repr__(self) -> str:
         return f"selective({', '.join(self.ops)})"
-
-    def __reduce__(self) -> Tuple[Any, ...]:
-        return (SelectiveContexts, (self.ops,))
 
 
 class _SavePolicy:
@@ -68,13 +77,13 @@ class _SavePolicy:
 Instance = Tuple[str, int]
 
 
-class SavedInstances(functools.partial):
+class SavedInstances(_ByValue):
     """``context_fn`` that saves the outputs of chosen operator calls, named as
     ``(packet, occurrence)``: ``("mm", 2)`` is the third ``aten.mm`` call of the region.
 
     Occurrences count per packet within one region's forward, afresh for every call of
     ``context_fn`` (each checkpointed call gets its own), exactly as the profiler numbered
-    them. A ``functools.partial`` that compares, hashes and pickles by its instances.
+    them (``measure._ops``).
 
     Example:
         >>> checkpoint(block, x, use_reentrant=False,
@@ -89,18 +98,11 @@ class SavedInstances(functools.partial):
     def instances(self) -> Tuple[Instance, ...]:
         return self.args[0]
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, SavedInstances) and other.instances == self.instances
-
-    def __hash__(self) -> int:
-        return hash(self.instances)
+    value = instances
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{name}#{index}" for name, index in self.instances)
         return f"saved_instances({shown})"
-
-    def __reduce__(self) -> Tuple[Any, ...]:
-        return (SavedInstances, (self.instances,))
 
 
 def _instance_contexts(instances: Tuple[Instance, ...]) -> Tuple[ContextManager, ContextManager]:
@@ -121,8 +123,7 @@ class _InstancePolicy:
         self._counts: Dict[bool, Dict[str, int]] = {False: defaultdict(int), True: defaultdict(int)}
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        packet = getattr(op, "overloadpacket", op)
-        name = getattr(packet, "__name__", str(packet))
+        name = packet_name(op)
         counts = self._counts[bool(getattr(ctx, "is_recompute", False))]
         index = counts[name]
         counts[name] += 1
