@@ -53,3 +53,42 @@ def test_quick_run_prints_every_table_and_the_targets():
         lines = [line for line in out.splitlines() if target in line]
         assert len(lines) >= len(models), f"target {target!r} printed {len(lines)} times"
         assert all(line.lstrip().startswith(("[pass]", "[fail]", "[n/a]")) for line in lines)
+
+
+def test_quick_interception_run_times_every_mode_on_every_model():
+    result = subprocess.run(
+        [sys.executable, str(_ROOT / "benchmarks" / "interception.py"), "--quick", "--threads", "1"],
+        capture_output=True, text=True, timeout=120, cwd=_ROOT, check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    models = ["GPT stack", "conv pyramid"]
+    if importlib.util.find_spec("transformers") is not None:
+        models += ["HF GPT-2", "HF Llama"]
+    rows = [line for line in result.stdout.splitlines() if " / " in line]
+    for name in models:
+        modes = [row for row in rows if row.startswith(f"{name} / ")]
+        for mode in ("plain", "selective checkpoint mode", "bare dispatch mode",
+                     "bare function mode"):
+            assert any(f"  {mode}  " in row for row in modes), f"{name}: no row {mode!r}"
+    counted = [row.split()[-1] for row in rows if "dispatch mode" in row]
+    assert counted and all(count.isdigit() and int(count) > 0 for count in counted)
+
+
+@pytest.mark.parametrize("workload, sizes", [
+    ("gpt", ["--layers", "4", "--width", "64", "--seq-len", "64", "--batch", "2", "--steps", "2"]),
+    ("pyramid", ["--image-batch", "2", "--image-size", "32", "--pyramid-blocks", "2",
+                 "--pyramid-steps", "2"]),
+])
+def test_quick_policies_run_prints_its_table_and_targets(workload, sizes):
+    result = subprocess.run(
+        [sys.executable, str(_ROOT / "benchmarks" / "policies.py"), "--only", workload,
+         "--warmup", "1", "--threads", "1", *sizes],
+        capture_output=True, text=True, timeout=120, cwd=_ROOT, check=False,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = result.stdout
+    for label in ("\nnone ", "\nblocks ", "\ncheckpoint_sequential(", "\nblocks;selective ",
+                  "\nbudget:<smallest reachable> ", "\nbudget:<sequential's peak> "):
+        assert label in out, f"no row {label.strip()!r}"
+    assert "equal" in out and "differ" not in out
+    assert "summary: " in out and " targets met" in out
