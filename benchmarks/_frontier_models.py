@@ -17,7 +17,7 @@ import math
 import types
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +28,7 @@ import ckptwrap  # noqa: E402
 import policies  # noqa: E402  (it puts examples/ on sys.path)
 from gpt import GPT, GPTConfig, synthetic_batch  # noqa: E402
 
-__all__ = ["Bench", "add_size_flags", "build_benches", "QUICK_SIZES"]
+__all__ = ["Bench", "add_size_flags", "build_benches", "parse_run_args", "QUICK_SIZES"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +75,27 @@ def add_size_flags(parser: argparse.ArgumentParser) -> None:
     add("--hf-seq-len", type=int, default=128, help="GPT-2 and Llama tokens per sequence")
     add("--hf-batch", type=int, default=4, help="GPT-2 and Llama sequences per step")
     add("--hf-vocab", type=int, default=1024, help="GPT-2 and Llama vocabulary")
+
+
+def parse_run_args(
+    parser: argparse.ArgumentParser, argv: Optional[Sequence[str]], *, rounds: str, quick_rounds: int
+) -> argparse.Namespace:
+    """Adds the flags every benchmark over these models shares (``--threads``, ``--only``,
+    ``--quick`` and the sizes) to ``parser``, which already has ``--warmup`` and the
+    flag named ``rounds``; parses ``argv``, applies ``--quick`` and sets torch's threads."""
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads for torch")
+    parser.add_argument("--only", choices=("gpt", "pyramid", "gpt2", "llama"), help="one model")
+    parser.add_argument("--quick", action="store_true", help="tiny models, few rounds: a smoke run")
+    add_size_flags(parser)
+    args = parser.parse_args(argv)
+    if args.quick:
+        vars(args).update(QUICK_SIZES, warmup=1, **{rounds: quick_rounds})
+    counted = getattr(args, rounds)
+    if min(counted, args.threads) < 1 or args.warmup < 0:
+        parser.error(f"need --{rounds} and --threads >= 1 and --warmup >= 0; got {counted}, "
+                     f"{args.threads} and {args.warmup}")
+    torch.set_num_threads(args.threads)
+    return args
 
 
 def build_benches(args: argparse.Namespace, only: Optional[str]) -> Tuple[List[Bench], List[str]]:

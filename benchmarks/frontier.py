@@ -46,7 +46,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ckptwrap  # noqa: E402
 from _allocator import allocator_peak  # noqa: E402
-from _frontier_models import QUICK_SIZES, Bench, add_size_flags, build_benches  # noqa: E402
+from _frontier_models import Bench, build_benches, parse_run_args  # noqa: E402
 
 FRACTIONS = (0.75, 0.5, 0.3)
 """Budgets, as fractions of ``none``'s peak, for ckptwrap and for the compiler."""
@@ -407,21 +407,11 @@ def save_plot(results: Sequence[tuple], path: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark; returns 0, or 1 if a ckptwrap configuration's gradients differ."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=1, help="CPU threads for torch")
     parser.add_argument("--steps", type=int, default=14, help="timed rounds per model")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds before timing")
-    parser.add_argument("--only", choices=("gpt", "pyramid", "gpt2", "llama"), help="one model")
     parser.add_argument("--inductor", action="store_true", help="also inductor rows (not judged)")
-    parser.add_argument("--quick", action="store_true", help="tiny models, few rounds: a smoke run")
     parser.add_argument("--plot", metavar="PNG", help="draw the frontiers into PNG (matplotlib)")
-    add_size_flags(parser)
-    args = parser.parse_args(argv)
-    if args.quick:
-        vars(args).update(QUICK_SIZES, steps=2, warmup=1)
-    if min(args.steps, args.threads) < 1 or args.warmup < 0:
-        parser.error(f"need --steps and --threads >= 1 and --warmup >= 0; got {args.steps}, "
-                     f"{args.threads} and {args.warmup}")
-    torch.set_num_threads(args.threads)
+    args = parse_run_args(parser, argv, rounds="steps", quick_rounds=2)
     print(f"torch {torch.__version__}, CPU threads {torch.get_num_threads()}, {args.warmup} "
           f"warm-up and {args.steps} timed rounds per model; step peak from torch.profiler's "
           f"memory events; budgets judged with {SLACK:.0%} of none's step peak as slack")

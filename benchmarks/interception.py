@@ -38,7 +38,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ckptwrap  # noqa: E402
-from _frontier_models import QUICK_SIZES, Bench, add_size_flags, build_benches  # noqa: E402
+from _frontier_models import Bench, build_benches, parse_run_args  # noqa: E402
 
 
 class _BareDispatch(TorchDispatchMode):
@@ -152,19 +152,9 @@ def format_rows(rows: Sequence[Tuple[str, str, float, float, int]]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=1, help="CPU threads for torch")
     parser.add_argument("--rounds", type=int, default=30, help="timed rounds per block")
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds before timing")
-    parser.add_argument("--only", choices=("gpt", "pyramid", "gpt2", "llama"), help="one model")
-    parser.add_argument("--quick", action="store_true", help="tiny models, few rounds: a smoke run")
-    add_size_flags(parser)
-    args = parser.parse_args(argv)
-    if args.quick:
-        vars(args).update(QUICK_SIZES, rounds=3, warmup=1)
-    if min(args.rounds, args.threads) < 1 or args.warmup < 0:
-        parser.error(f"need --rounds and --threads >= 1 and --warmup >= 0; got {args.rounds}, "
-                     f"{args.threads} and {args.warmup}")
-    torch.set_num_threads(args.threads)
+    args = parse_run_args(parser, argv, rounds="rounds", quick_rounds=3)
     print(f"torch {torch.__version__}, CPU threads {torch.get_num_threads()}, {args.warmup} "
           f"warm-up and {args.rounds} timed rounds per block, autograd off")
     benches, notes = build_benches(args, args.only)
