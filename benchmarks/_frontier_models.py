@@ -178,18 +178,7 @@ def _hf_gpt2(args: argparse.Namespace) -> Bench:
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
     )
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(config).train()
-    inputs, kwargs = _hf_inputs(args, config.vocab_size)
-    segments = _segments(config.n_layer)
-    return Bench(
-        "HF GPT-2",
-        f"transformers GPT2LMHeadModel, {config.n_layer} layers, width {config.n_embd}, "
-        f"{config.n_head} heads, vocab {config.vocab_size}, sequence {args.hf_seq_len}, "
-        f"batch {args.hf_batch}, random weights",
-        model, inputs, kwargs, loss=_next_token_loss(inputs[0]),
-        sequential=lambda m: _HFSequential(m, segments, _gpt2_staged),
-        segments=f"{segments} of {config.n_layer}",
-    )
+    return _hf_bench(args, "HF GPT-2", GPT2LMHeadModel(config), _gpt2_staged)
 
 
 def _hf_llama(args: argparse.Namespace) -> Bench:
@@ -202,17 +191,22 @@ def _hf_llama(args: argparse.Namespace) -> Bench:
         attention_dropout=0.0,
     )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).train()
-    inputs, kwargs = _hf_inputs(args, config.vocab_size)
-    segments = _segments(config.num_hidden_layers)
+    return _hf_bench(args, "HF Llama", LlamaForCausalLM(config), _llama_staged)
+
+
+def _hf_bench(args: argparse.Namespace, name: str, model: nn.Module, staged: Callable) -> Bench:
+    """A transformers causal LM built from ``args``' sizes, in training mode, as a Bench."""
+    model.train()
+    inputs, kwargs = _hf_inputs(args, model.config.vocab_size)
+    segments = _segments(args.hf_layers)
     return Bench(
-        "HF Llama",
-        f"transformers LlamaForCausalLM, {config.num_hidden_layers} layers, width "
-        f"{config.hidden_size}, {config.num_attention_heads} heads, vocab {config.vocab_size}, "
-        f"sequence {args.hf_seq_len}, batch {args.hf_batch}, random weights",
+        name,
+        f"transformers {type(model).__name__}, {args.hf_layers} layers, width {args.hf_width}, "
+        f"{args.hf_heads} heads, vocab {args.hf_vocab}, sequence {args.hf_seq_len}, "
+        f"batch {args.hf_batch}, random weights",
         model, inputs, kwargs, loss=_next_token_loss(inputs[0]),
-        sequential=lambda m: _HFSequential(m, segments, _llama_staged),
-        segments=f"{segments} of {config.num_hidden_layers}",
+        sequential=lambda m: _HFSequential(m, segments, staged),
+        segments=f"{segments} of {args.hf_layers}",
     )
 
 
