@@ -19,7 +19,7 @@ import sys
 import time
 from typing import List, Optional, Sequence, Tuple
 
-from ckptwrap.policy._solver import (
+from ckptwrap.planner._solver import (
     BudgetSolution,
     CostItem,
     CostOption,

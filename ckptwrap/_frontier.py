@@ -16,11 +16,17 @@ import torch
 from torch import nn
 
 from ._errors import CheckpointConfigError
-from .measure import ModelProfile, profile_modules
 from .policy import Blocks, Intersection, Policy, as_policy, split_modifiers
-from .policy._solver import CostItem, predicted_peak, smallest_reachable_peak, solve_budget
-from .wrap._costs import forward_items
-from .wrap._step_terms import with_step_terms
+from .planner import (
+    CostItem,
+    ModelProfile,
+    forward_items,
+    predicted_peak,
+    profile_modules,
+    smallest_reachable_peak,
+    solve_budget,
+    with_step_terms,
+)
 from .wrap import plan
 
 __all__ = ["Point", "frontier", "pareto_points", "reference_points"]

@@ -1,18 +1,26 @@
-"""Hugging Face transformers' checkpointable layers, recognised without importing it.
+"""Hugging Face transformers' checkpointable layers and KV caches, recognised without
+importing it.
 
 transformers marks the layers its own gradient checkpointing checkpoints as subclasses of
 ``GradientCheckpointingLayer``. A model built by transformers has imported the module
 that defines it; when that module is absent, no module can be such a layer, and importing
-transformers on our account would cost seconds.
+transformers on our account would cost seconds. Such layers write new keys and values
+into a KV cache passed to them, so a second run of one (a recomputation, a measurement)
+runs without the cache writes, as transformers' own gradient checkpointing does
+(:func:`cache_free_arguments`).
 """
 
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 import sys
 from typing import Any, Dict, Optional, Tuple
 
-__all__ = ["fresh_caches", "hf_layer_class", "is_hf_layer_class"]
+from torch import nn
+
+__all__ = ["cache_free_arguments", "fresh_caches", "hf_layer_class", "is_hf_layer_class"]
 
 _LAYERS_MODULE = "transformers.modeling_layers"
 _LAYER_CLASS = "GradientCheckpointingLayer"
@@ -56,3 +64,39 @@ def fresh_caches(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[A
         return copy.deepcopy(value, memo) if isinstance(value, cache_class) else value
 
     return tuple(fresh(a) for a in args), {key: fresh(value) for key, value in kwargs.items()}
+
+_CACHE_ARGUMENTS = ("past_key_values", "layer_past")
+
+
+def cache_free_arguments(
+    module: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]
+) -> Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]]:
+    """``args`` and ``kwargs`` with KV-cache writes turned off, for a layer that would write;
+    ``None`` when there is nothing to turn off (not such a layer, or no cache passed).
+
+    The cache may come by keyword or by position (GPT-2 passes it second), so arguments
+    are matched to the layer's forward signature by name.
+    """
+    if not isinstance(module, nn.Module) or not is_hf_layer_class(type(module)):
+        return None
+    try:
+        bound = _signature(type(module)).bind(module, *args, **kwargs)
+    except TypeError:
+        return None  # let the layer itself report the bad call
+    changed = False
+    if bound.arguments.get("use_cache"):
+        bound.arguments["use_cache"] = False
+        changed = True
+    if not getattr(module, "_can_checkpoint_with_cache", False):
+        for name in _CACHE_ARGUMENTS:
+            if bound.arguments.get(name) is not None:
+                bound.arguments[name] = None
+                changed = True
+    if not changed:
+        return None
+    return bound.args[1:], bound.kwargs
+
+
+@functools.lru_cache(maxsize=None)
+def _signature(cls: type) -> inspect.Signature:
+    return inspect.signature(cls.forward)

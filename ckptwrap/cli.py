@@ -19,7 +19,7 @@ from ._cli_common import UsageError, add_model_arguments, prepare
 from ._errors import CheckpointError
 from ._frontier import Point, frontier_candidates, pareto_points
 from .diagnostics import main as doctor_main
-from .measure import profile_modules
+from .planner import profile_modules
 from .wrap import Plan
 from .wrap._planning import plan_and_profile
 

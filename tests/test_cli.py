@@ -22,7 +22,7 @@ from torch import nn
 from ckptwrap import cli
 from ckptwrap._errors import CheckpointConfigError
 from ckptwrap._frontier import frontier, pareto_points, reference_points
-from ckptwrap.policy._solver import CostItem, predicted_peak, smallest_reachable_peak
+from ckptwrap.planner._solver import CostItem, predicted_peak, smallest_reachable_peak
 
 _HERE = Path(__file__).resolve()
 _ROOT = _HERE.parents[1]
@@ -406,7 +406,7 @@ def test_the_command_line_modules_import_in_either_order(first, second):
 
 
 def test_pareto_profiles_the_model_once_and_draws_what_the_table_says(capsys, monkeypatch):
-    from ckptwrap.measure import _profile
+    from ckptwrap.planner import _profile
 
     calls = []
     original = _profile.Session.run
@@ -439,7 +439,7 @@ def test_pareto_profiles_the_model_once_and_draws_what_the_table_says(capsys, mo
 
 def test_pareto_points_reuse_a_given_profile(monkeypatch):
     from ckptwrap import _frontier
-    from ckptwrap.measure import profile_modules
+    from ckptwrap.planner import profile_modules
 
     model = tiny_stack().train()
     inputs = (torch.randn(2, 16),)

@@ -8,7 +8,7 @@ from typing import Dict, List, Optional
 
 from torch.nn.modules.dropout import _DropoutNd
 
-from ..measure import ModelProfile
+from ..planner import ModelProfile
 from ._regions import Region
 from ._report import Finding
 from ._steps import CallLog

@@ -10,8 +10,7 @@ import torch
 from torch import nn
 
 from .._errors import CheckpointConfigError
-from ..measure import ModelProfile, profile_modules
-from ..wrap._costs import as_example
+from ..planner import ModelProfile, as_example, profile_modules
 from ..wrap._model import PLAN_ATTRIBUTE, _remove_pending
 from ..wrap._switch import disabled
 from . import _checks

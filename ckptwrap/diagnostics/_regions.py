@@ -11,7 +11,7 @@ from torch import nn
 
 from ..wrap._decorator import decorator_options
 from ..wrap._forwards import _CheckpointedForward, _SegmentMember
-from ..wrap._options import CheckpointOptions
+from ..engine import CheckpointOptions
 from ..wrap._wrapper import CheckpointWrapper
 
 __all__ = ["Region", "find_regions", "markings_of"]

@@ -2,6 +2,14 @@
 early stop, nesting and ``checkpoint_sequential``. Knows nothing of policies or wrappers."""
 
 from ._api import checkpoint, checkpoint_sequential
+from ._options import CheckpointOptions, options_from
 from ._state import is_recomputing, set_checkpoint_early_stop
 
-__all__ = ["checkpoint", "checkpoint_sequential", "is_recomputing", "set_checkpoint_early_stop"]
+__all__ = [
+    "CheckpointOptions",
+    "checkpoint",
+    "checkpoint_sequential",
+    "is_recomputing",
+    "options_from",
+    "set_checkpoint_early_stop",
+]

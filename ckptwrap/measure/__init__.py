@@ -1,12 +1,32 @@
-"""What things cost: per-module activation bytes, time and FLOPs, and the peak memory of a
-training step.
+"""What things cost in memory: the peak-memory meter of a block of code, and the storage
+bookkeeping the planner's profiler counts saved tensors with.
 
-``profile_modules`` measures candidate modules one at a time on the model's own inputs.
 ``measure_peak`` reads the allocator's peak statistics on CUDA and other accelerators,
-and counts tensor storages as they are created and freed on the CPU.
+and counts tensor storages as they are created and freed on the CPU (``StorageCounter``).
 """
 
-from ._peak import PeakMemory, measure_peak
-from ._profile import ModelProfile, ModuleCost, profile_modules
+from ._peak import PeakMemory, StorageCounter, measure_peak
+from ._storages import (
+    SavePolicy,
+    StorageMap,
+    Tally,
+    differentiable,
+    policy_watch,
+    saving,
+    tensor_storages,
+    tensors,
+)
 
-__all__ = ["ModelProfile", "ModuleCost", "PeakMemory", "measure_peak", "profile_modules"]
+__all__ = [
+    "PeakMemory",
+    "SavePolicy",
+    "StorageCounter",
+    "StorageMap",
+    "Tally",
+    "differentiable",
+    "measure_peak",
+    "policy_watch",
+    "saving",
+    "tensor_storages",
+    "tensors",
+]

@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_leaves
 
 from .._errors import CheckpointConfigError
 
-__all__ = ["PeakMemory", "measure_peak"]
+__all__ = ["PeakMemory", "StorageCounter", "measure_peak"]
 
 _MIB = 1024 * 1024
 
@@ -77,7 +77,7 @@ def measure_peak(device: torch.device | str | int | None = None) -> Iterator[Pea
     resolved = _resolve_device(device)
     result = PeakMemory(device=resolved)
     if resolved.type == "cpu":
-        with _StorageCounter(resolved.type) as counter:
+        with StorageCounter(resolved.type) as counter:
             try:
                 yield result
             finally:
@@ -154,7 +154,7 @@ def _allocator_stats(device: torch.device) -> _AllocatorStats:
     )
 
 
-class _StorageCounter(TorchDispatchMode):
+class StorageCounter(TorchDispatchMode):
     """Counts the bytes of storages that operators create, from creation until freed.
 
     Each storage is keyed by the address of its C++ object (``_cdata``). Its Python

@@ -8,6 +8,7 @@ from ._base import Complement, Intersection, Policy, Union
 from ._blocks import find_blocks
 from ._grammar import as_policy, parse_policy
 from ._modifiers import DEFAULT_SELECTIVE_OPS, Budget, Offload, Selective, split_modifiers
+from ._ops import resolve_ops
 from ._terms import (
     All,
     Blocks,
@@ -46,4 +47,5 @@ __all__ = [
     "as_policy",
     "find_blocks",
     "parse_policy",
+    "resolve_ops",
 ]

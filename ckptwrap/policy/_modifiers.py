@@ -19,7 +19,6 @@ from .._errors import CheckpointConfigError
 from ._base import Intersection, Names, Policy, _Picker
 from ._numbers import MAX_BYTES, abbreviate, parse_decimal
 from ._ops import resolve_ops
-from ._solver import PercentBudget
 from ._terms import Blocks
 
 __all__ = [
@@ -103,18 +102,6 @@ class Budget(_Modifier):
             f"budget:{abbreviate(text)} is out of range: an amount must be from 1 B to "
             f"{MAX_BYTES} B (8 EiB), such as budget:512MiB"
         )
-
-    def resolve(self, plain_peak: int) -> int:
-        """The budget in bytes, given the predicted peak of the un-checkpointed training
-        step (above what was allocated before it), which a percentage is a share of.
-
-        A percentage resolves to a :class:`PercentBudget`, an int that remembers it, so
-        that a budget below reach is reported in percent too.
-        """
-        fraction, amount = self.parsed()
-        if fraction is None:
-            return int(amount)  # type: ignore[arg-type]
-        return PercentBudget(fraction, plain_peak, of="the un-checkpointed step's peak")
 
 
 def _unit_names() -> Tuple[str, ...]:

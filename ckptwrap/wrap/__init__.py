@@ -4,8 +4,8 @@
 from ._decorator import checkpointed
 from ._model import unwrap_model, wrap_model
 from ._planning import plan
-from ._options import CheckpointOptions
-from ._plan import Plan, PlanEntry
+from ..engine import CheckpointOptions
+from ..planner import Plan, PlanEntry
 from ._switch import disabled
 from ._wrapper import CheckpointWrapper
 

@@ -14,7 +14,7 @@ from typing import Any, Dict, Tuple
 from torch import nn
 
 from .._warn import warn
-from ..measure._clients import cache_free_arguments
+from .._hf import cache_free_arguments
 
 __all__ = ["without_cache_writes"]
 

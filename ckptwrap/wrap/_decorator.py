@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional, TypeVar, overload
 
 import wrapt
 
-from ._options import CheckpointOptions, options_from
+from ..engine import CheckpointOptions, options_from
 from ._region import run_region
 
 __all__ = ["checkpointed", "decorator_options"]

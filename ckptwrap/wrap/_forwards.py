@@ -17,7 +17,7 @@ from torch.nn.modules.module import _global_forward_pre_hooks
 from .._errors import CheckpointConfigError
 from .._warn import warn
 from ._decorator import decorator_options
-from ._options import CheckpointOptions
+from ..engine import CheckpointOptions
 from ._region import RngSnapshot, region_switched_off, run_offloaded, run_region, run_segment
 from ._selective import SavedInstances
 from ._wrapper import CheckpointWrapper

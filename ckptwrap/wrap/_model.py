@@ -19,12 +19,10 @@ from torch import nn
 
 from .._errors import CheckpointConfigError
 from .._warn import warn
-from ._costs import as_example
 from ._forwards import _CheckpointedForward, _SegmentMember, entry_options
-from ._plan import Plan, PlanEntry
+from ..planner import Plan, PlanEntry, ShapePlans, Shapes, as_example, bucket_of, describe, input_shapes
 from ._planning import _select, plan
 from ._ranks import agreed_plan
-from ._shapes import ShapePlans, Shapes, bucket_of, describe, input_shapes
 
 __all__ = ["wrap_model", "unwrap_model", "PLAN_ATTRIBUTE"]
 

@@ -13,11 +13,9 @@ from torch.utils._pytree import tree_leaves
 
 from .._errors import CheckpointConfigError
 from ..policy import Budget, Offload, Selective, as_policy, split_modifiers
-from ..measure import ModelProfile
-from ._costs import as_example, measure_and_choose
+from ..planner import ModelProfile, Plan, PlanEntry, as_example, measure_and_choose
 from ._forwards import marking
-from ._options import CheckpointOptions, options_from
-from ._plan import Plan, PlanEntry
+from ..engine import CheckpointOptions, options_from
 from ._selective import SelectiveContexts
 from ._wrapper import refuse_torchscript
 

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch.distributed as dist
 from torch import nn
 
-from ._plan import Plan
+from ..planner import Plan
 from ._selective import SelectiveContexts
 
 __all__ = ["agreed_plan"]

@@ -19,7 +19,7 @@ from ..engine import checkpoint, is_recomputing
 from ._clients import without_cache_writes
 from ._distributed import check_reentrant_region
 from ._offload import default_offloader
-from ._options import CheckpointOptions
+from ..engine import CheckpointOptions
 from ._switch import is_disabled
 
 __all__ = ["RngSnapshot", "run_region", "run_segment", "region_switched_off"]

@@ -15,8 +15,8 @@ from typing import Any, ContextManager, Dict, Iterable, Tuple
 
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from ..measure._ops import packet_name
-from ..policy._ops import resolve_ops
+from ..planner import packet_name
+from ..policy import resolve_ops
 
 __all__ = ["SavedInstances", "SelectiveContexts"]
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .._errors import CheckpointConfigError
-from ._options import CheckpointOptions, options_from
+from ..engine import CheckpointOptions, options_from
 from ._region import run_region
 
 __all__ = ["CheckpointWrapper", "refuse_torchscript"]

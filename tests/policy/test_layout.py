@@ -55,7 +55,7 @@ def test_policy_modules_stay_under_400_lines(path):
 
 
 def test_the_solver_keeps_the_names_its_users_import():
-    from ckptwrap.policy import _solver
+    from ckptwrap.planner import _solver
 
     for name in (
         "BudgetSolution",

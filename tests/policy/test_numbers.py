@@ -22,6 +22,7 @@ from ckptwrap.policy import (
     parse_policy,
     split_modifiers,
 )
+from ckptwrap.planner import resolve_budget
 from ckptwrap.policy._numbers import MAX_BYTES, abbreviate
 
 _UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "KB": 10**3, "GB": 10**9}
@@ -136,8 +137,8 @@ def test_fraction_refuses_ints_too_large_for_a_float():
 
 def test_a_budget_in_percent_resolves_as_before_and_pickles():
     budget = Budget("35%")
-    resolved = budget.resolve(128064)
+    resolved = resolve_budget(budget, 128064)
     assert resolved == int(35 / 100 * 128064) and resolved.percent == pytest.approx(35)
     again = pickle.loads(pickle.dumps(resolved))
     assert (again, again.fraction, again.reference) == (resolved, resolved.fraction, 128064)
-    assert type(Budget("2MiB").resolve(128064)) is int
+    assert type(resolve_budget(Budget("2MiB"), 128064)) is int

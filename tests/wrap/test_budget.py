@@ -18,10 +18,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import ckptwrap
 from ckptwrap import plan, unwrap_model, wrap_model
 from ckptwrap._errors import CheckpointConfigError
-from ckptwrap.measure import profile_modules
-from ckptwrap.policy._solver import predicted_peak, smallest_reachable_peak
-from ckptwrap.wrap._costs import forward_items, forward_levels
-from ckptwrap.wrap._step_terms import with_step_terms
+from ckptwrap.planner import profile_modules
+from ckptwrap.planner._solver import predicted_peak, smallest_reachable_peak
+from ckptwrap.planner._costs import forward_items, forward_levels
+from ckptwrap.planner._step_terms import with_step_terms
 
 from ._models import (
     TinyGPT,

@@ -20,17 +20,17 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ckptwrap
-import ckptwrap.measure._profile_run as profile_run
-import ckptwrap.wrap._costs as costs
+import ckptwrap.planner._profile_run as profile_run
+import ckptwrap.planner._costs as costs
 from ckptwrap import plan, unwrap_model, wrap_model
-from ckptwrap.measure import profile_modules
-from ckptwrap.policy._cost_model import CostItem, predicted_peak
-from ckptwrap.policy._levels import MAX_LEVELS, selective_levels
-from ckptwrap.measure._ops import OpCost
+from ckptwrap.planner import profile_modules
+from ckptwrap.planner._cost_model import CostItem, predicted_peak
+from ckptwrap.planner._levels import MAX_LEVELS, selective_levels
+from ckptwrap.planner._ops import OpCost
 from ckptwrap.wrap._model import _apply as apply_plan
 from ckptwrap.wrap._planning import plan_and_profile
 from ckptwrap.wrap._selective import SavedInstances
-from ckptwrap.wrap._step_terms import with_step_terms
+from ckptwrap.planner._step_terms import with_step_terms
 
 from ._models import TinyGPT, assert_same, gpt_batch, gpt_loss, grads, make, marked, markings, step
 

@@ -20,14 +20,14 @@ from torch import nn
 import ckptwrap
 from ckptwrap import plan, unwrap_model, wrap_model
 from ckptwrap._errors import CheckpointConfigError
-from ckptwrap.measure import ModelProfile
-from ckptwrap.policy._solver import predicted_peak, solve_budget
-from ckptwrap.wrap import _costs
-from ckptwrap.wrap._costs import forward_items
+from ckptwrap.planner import ModelProfile
+from ckptwrap.planner._solver import predicted_peak, solve_budget
+from ckptwrap.planner import _costs
+from ckptwrap.planner._costs import forward_items
 from ckptwrap.wrap._model import _apply
-from ckptwrap.wrap._options import CheckpointOptions
-from ckptwrap.wrap._plan import Plan, PlanEntry
-from ckptwrap.wrap._step_terms import with_step_terms
+from ckptwrap.engine._options import CheckpointOptions
+from ckptwrap.planner._plan import Plan, PlanEntry
+from ckptwrap.planner._step_terms import with_step_terms
 
 from ._models import (
     CallLog,

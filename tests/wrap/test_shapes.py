@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.profiler.profiler as profiler_module
 
-import ckptwrap.wrap._costs as costs
+import ckptwrap.planner._costs as costs
 import ckptwrap.wrap._model as wrap_module
 from ckptwrap import plan, unwrap_model, wrap_model
 from ckptwrap._errors import CheckpointConfigError
@@ -337,7 +337,7 @@ def test_planning_again_goes_through_the_agreement_of_ranks(monkeypatch, profile
 
 
 def test_shape_buckets_round_every_dimension_up_to_a_power_of_two():
-    from ckptwrap.wrap._shapes import bucket_of, input_shapes
+    from ckptwrap.planner._shapes import bucket_of, input_shapes
 
     def bucket(*args, **kwargs):
         return bucket_of(input_shapes(args, kwargs))

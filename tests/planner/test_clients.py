@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from ckptwrap.measure import profile_modules
+from ckptwrap.planner import profile_modules
 
 VOCAB = 100
 

@@ -15,13 +15,10 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 
-from .._hf import fresh_caches
-from ._clients import cache_free_arguments
-from ._peak import _StorageCounter
-from ._ops import OpCost, OpRecorder, merge_calls, with_times
-from ._progress import ProgressBar
-from ._storages import (
+from .._hf import cache_free_arguments, fresh_caches
+from ..measure import (
     SavePolicy,
+    StorageCounter,
     StorageMap,
     Tally,
     differentiable,
@@ -30,6 +27,8 @@ from ._storages import (
     tensor_storages,
     tensors,
 )
+from ._ops import OpCost, OpRecorder, merge_calls, with_times
+from ._progress import ProgressBar
 from ._timing import (
     RngState, device_of, time_forward, time_ops, time_replay, time_unsaved_replay,
 )
@@ -222,7 +221,7 @@ class Session:
         policy_tally = Tally(self._excluded.union(input_storages))
         counter = FlopCounterMode(display=False)
         # What a recomputation holds at its highest: saved tensors and temporaries alike.
-        meter = _StorageCounter(device_of(run_inputs, module).type)
+        meter = StorageCounter(device_of(run_inputs, module).type)
         recorder = OpRecorder(tally)
         self._busy = True
         try:

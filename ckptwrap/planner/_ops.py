@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 from torch.utils.flop_counter import flop_registry
 
-from ._storages import StorageMap, Tally, tensor_storages, tensors
+from ..measure import StorageMap, Tally, tensor_storages, tensors
 
 __all__ = ["OpCost", "OpRecorder", "OpTimer", "merge_calls", "packet_name", "with_times"]
 

@@ -23,8 +23,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ckptwrap._errors import CheckpointConfigError
-from ckptwrap.policy import _search
-from ckptwrap.policy._solver import (
+from ckptwrap.planner import _search
+from ckptwrap.planner._solver import (
     BudgetSolution,
     CostItem,
     format_bytes,

@@ -23,11 +23,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-from .._hf import fresh_caches
+from .._hf import cache_free_arguments, fresh_caches
 from ..engine import checkpoint, is_recomputing
-from ._clients import cache_free_arguments
-from ._peak import _StorageCounter
-from ._storages import differentiable, tensors
+from ..measure import StorageCounter, differentiable, tensors
 from ._timing import RngState
 
 __all__ = ["StepPeaks", "measure_step"]
@@ -175,7 +173,7 @@ def _profiled_peaks(profiler: Any, phases: int) -> List[int]:
     return (peaks + [0] * phases)[:phases]
 
 
-class _PhaseCounter(_StorageCounter):
+class _PhaseCounter(StorageCounter):
     """The CPU storage counter, with the peak of the phase in progress as well."""
 
     def __init__(self, device_type: str) -> None:

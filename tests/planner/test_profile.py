@@ -17,8 +17,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from ckptwrap._errors import CheckpointConfigError
-from ckptwrap.measure import ModelProfile, ModuleCost, profile_modules
-from ckptwrap.measure._progress import should_show
+from ckptwrap.planner import ModelProfile, ModuleCost, profile_modules
+from ckptwrap.planner._progress import should_show
 
 
 # --- independent counts ---------------------------------------------------------------------

@@ -19,7 +19,7 @@ from torch.utils.checkpoint import (
 )
 
 import ckptwrap
-from ckptwrap.measure import ModelProfile, profile_modules
+from ckptwrap.planner import ModelProfile, profile_modules
 from tests.wrap._models import TinyGPT, gpt_batch, make
 
 

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from ._ops import OpTimer
-from ._storages import SavePolicy
+from ..measure import SavePolicy
 
 __all__ = ["RngState", "device_of", "time_forward", "time_ops", "time_replay", "time_unsaved_replay"]
 

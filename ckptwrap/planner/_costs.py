@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from .._errors import CheckpointConfigError
-from ..measure import ModelProfile, profile_modules
 from ..policy import Budget
-from ..policy._levels import Level, pooled_levels
-from ..policy._solver import CostItem, predicted_peak, solve_budget
+from ._levels import Level, pooled_levels
+from ._profile import ModelProfile, profile_modules
+from ._solver import CostItem, PercentBudget, predicted_peak, solve_budget
 from ._plan import PlanEntry
 from ._step_terms import with_step_terms
 
@@ -115,6 +115,19 @@ def forward_levels(
     ]
 
 
+def resolve_budget(budget: Budget, plain_peak: int) -> int:
+    """``budget`` in bytes, given the predicted peak of the un-checkpointed training step
+    (above what was allocated before it), which a percentage is a share of.
+
+    A percentage resolves to a :class:`PercentBudget`, an int that remembers it, so that a
+    budget below reach is reported in percent too.
+    """
+    fraction, amount = budget.parsed()
+    if fraction is None:
+        return int(amount)  # type: ignore[arg-type]
+    return PercentBudget(fraction, plain_peak, of="the un-checkpointed step's peak")
+
+
 def as_example(example_inputs: Any, example_kwargs: Optional[Mapping[str, Any]]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
     """Positional and keyword example inputs in a uniform shape."""
     if example_kwargs is not None and not isinstance(example_kwargs, Mapping):
@@ -188,7 +201,7 @@ def measure_and_choose(
     chosen_levels: Dict[str, Level] = {}
     in_segments: set = set()
     if budget is not None:
-        budget_bytes = budget.resolve(plain_peak)
+        budget_bytes = resolve_budget(budget, plain_peak)
         solution = solve_budget(items, budget_bytes, base=profile.base_bytes, tail=tail)
         picked = {ordered[i][0] for i in solution.selected}
         for segment in solution.segments:

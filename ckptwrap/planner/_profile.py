@@ -19,7 +19,7 @@ from ._ops import OpCost
 from ._profile_run import Record, SavePolicy, Session
 from ._progress import ProgressBar, should_show
 from ._step import StepPeaks, measure_step
-from ._storages import tensors
+from ..measure import tensors
 
 __all__ = ["ModuleCost", "ModelProfile", "profile_modules"]
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import dataclasses
 from typing import List, Sequence, Tuple
 
-from ..measure import ModelProfile
-from ..policy._solver import CostItem
+from ._profile import ModelProfile
+from ._solver import CostItem
 
 __all__ = ["with_step_terms"]
 

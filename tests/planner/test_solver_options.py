@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from ckptwrap._errors import CheckpointConfigError
-from ckptwrap.policy import _search
-from ckptwrap.policy._solver import (
+from ckptwrap.planner import _search
+from ckptwrap.planner._solver import (
     BudgetSolution,
     CostItem,
     CostOption,

@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any, Callable, ContextManager, Dict, Optional, Tuple
 
 from .._errors import CheckpointConfigError
-from ..engine._api import _check_options
+from ._api import _check_options
 
 __all__ = ["CheckpointOptions", "options_from"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from ._options import CheckpointOptions
+from ..engine import CheckpointOptions
 
 __all__ = ["Plan", "PlanEntry"]
 

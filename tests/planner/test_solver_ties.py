@@ -11,8 +11,9 @@ import re
 import pytest
 
 from ckptwrap._errors import CheckpointConfigError
+from ckptwrap.planner import resolve_budget
 from ckptwrap.policy import Budget
-from ckptwrap.policy._solver import (
+from ckptwrap.planner._solver import (
     CostItem,
     PercentBudget,
     pooled_times,
@@ -94,7 +95,7 @@ def test_a_percent_budget_below_reach_is_stated_in_percent_and_bytes():
     base = 2 << 20
     reference = base + 60 * (1 << 20)  # the un-checkpointed peak, 62 MiB
     lowest = smallest_reachable_peak(items, base=base)  # 17 MiB (see test_solver)
-    budget = Budget("10%").resolve(reference)
+    budget = resolve_budget(Budget("10%"), reference)
     share = 100 * lowest / reference
     match = (
         rf"budget 10% of the un-checkpointed step's peak \(62\.0 MiB \({reference} "
@@ -106,14 +107,14 @@ def test_a_percent_budget_below_reach_is_stated_in_percent_and_bytes():
     with pytest.raises(CheckpointConfigError, match=match):
         solve_budget(items, budget, base=base)
     # The suggested percentage reaches the lowest peak, a tenth of a percent less does not.
-    assert Budget("27.5%").resolve(reference) >= lowest > Budget("27.4%").resolve(reference)
-    assert solve_budget(items, Budget("27.5%").resolve(reference), base=base).predicted_peak == lowest
+    assert resolve_budget(Budget("27.5%"), reference) >= lowest > resolve_budget(Budget("27.4%"), reference)
+    assert solve_budget(items, resolve_budget(Budget("27.5%"), reference), base=base).predicted_peak == lowest
 
 
 def test_a_byte_budget_below_reach_is_stated_in_bytes_only():
     items = [CostItem(f"layers.{i}", kept=10 << 20, inputs=1 << 20, time=1.0) for i in range(6)]
     with pytest.raises(CheckpointConfigError) as caught:
-        solve_budget(items, Budget("6MiB").resolve(64 << 20), base=2 << 20)
+        solve_budget(items, resolve_budget(Budget("6MiB"), 64 << 20), base=2 << 20)
     assert "%" not in str(caught.value)
     assert re.search(r"budget 6\.0 MiB \(6291456 bytes\) is below the smallest reachable peak", str(caught.value))
 
