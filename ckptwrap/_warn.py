@@ -1,4 +1,5 @@
-"""Warnings that point at the user's line, not at torch's or ours.
+"""How ckptwrap speaks: warnings for what the user must act on, pointing at the user's
+line rather than at torch's or ours; routine notes to the ``ckptwrap`` logger.
 
 Most of ckptwrap's warnings are raised from inside a module's call (a forward pre-hook, a
 checkpointed forward), where a fixed ``stacklevel`` would name a line of torch's
@@ -7,6 +8,7 @@ checkpointed forward), where a fixed ``stacklevel`` would name a line of torch's
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import warnings
@@ -14,7 +16,9 @@ from typing import Type
 
 import torch
 
-__all__ = ["warn"]
+__all__ = ["note", "warn"]
+
+_log = logging.getLogger("ckptwrap")
 
 _OURS = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
@@ -28,3 +32,8 @@ def warn(message: str, category: Type[Warning] = UserWarning) -> None:
         frame = frame.f_back
         level += 1
     warnings.warn(message, category, stacklevel=level if frame is not None else 2)
+
+
+def note(message: str) -> None:
+    """A routine note (a plan made or switched): the ``ckptwrap`` logger, at INFO."""
+    _log.info(message)

@@ -160,11 +160,24 @@ class StorageCounter(TorchDispatchMode):
     Each storage is keyed by the address of its C++ object (``_cdata``). Its Python
     object is kept by torch for as long as the C++ storage lives, so a ``weakref.finalize``
     on it fires exactly when the memory is released, and never keeps it alive.
+
+    Args:
+        device_type: The device whose storages count (``"cpu"``, ``"cuda"``...).
+        trace: Also keep ``moments``: the live bytes after each operator that created a
+            storage, the points at which the count can reach its peak.
+
+    Attributes:
+        peak_bytes: The highest count so far.
+        created_bytes: Bytes of every storage counted, freed or not.
+        moments: With ``trace``, the live bytes after each operator that created storage.
     """
 
-    def __init__(self, device_type: str) -> None:
+    def __init__(self, device_type: str, *, trace: bool = False) -> None:
         super().__init__()
         self._device_type = device_type
+        self._trace = trace
+        self.moments: List[int] = []
+        self.created_bytes = 0
         # Storages counted and still alive: key -> bytes counted for it.
         self._sizes: Dict[int, int] = {}
         self._finalizers: Dict[int, weakref.finalize] = {}
@@ -196,6 +209,13 @@ class StorageCounter(TorchDispatchMode):
 
     def _record(self, out: Any, args: Any, kwargs: Any) -> None:
         """Count the storages among ``out`` that this operator created."""
+        before = self.created_bytes
+        self._count_outputs(out, args, kwargs)
+        if self._trace and self.created_bytes != before:
+            with self._lock:
+                self.moments.append(self._live)
+
+    def _count_outputs(self, out: Any, args: Any, kwargs: Any) -> None:
         input_keys: Set[int] | None = None
         for leaf in tree_leaves(out):
             storage = self._storage_of(leaf)
@@ -232,6 +252,7 @@ class StorageCounter(TorchDispatchMode):
         while self._freed:
             self._live -= self._freed.pop()
         self._live += nbytes
+        self.created_bytes += nbytes
         if self._live > self.peak_bytes:
             self.peak_bytes = self._live
 

@@ -35,11 +35,14 @@ _V = TypeVar("_V")
 
 
 def tensor_storages(tensor: torch.Tensor) -> Iterator[torch.UntypedStorage]:
-    """The storages behind ``tensor``; a wrapper subclass (DTensor...) by its inner tensors."""
+    """The storages behind ``tensor``; a wrapper subclass (DTensor...) by its inner tensors
+    (the attributes it flattens to that are tensors: a DTensor's device mesh is not)."""
     if is_traceable_wrapper_subclass(tensor):
         attrs, _ = tensor.__tensor_flatten__()
         for attr in attrs:
-            yield from tensor_storages(getattr(tensor, attr))
+            inner = getattr(tensor, attr, None)
+            if isinstance(inner, torch.Tensor):
+                yield from tensor_storages(inner)
         return
     try:
         yield tensor.untyped_storage()
@@ -172,14 +175,23 @@ class Tally:
     def holds(self, tensor: torch.Tensor) -> bool:
         return self._seen.holds(tensor)
 
+    def __contains__(self, storage: torch.UntypedStorage) -> bool:
+        return storage in self._seen
+
     def shared_bytes(self, other: "Tally") -> int:
         """Bytes of the storages counted both here and in ``other``."""
         return sum(self._seen.shared_values(other._seen))
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A saved-tensors pack hook: note the storage and save the tensor unchanged."""
+        """A saved-tensors pack hook for a forward that is measured, never differentiated:
+        note the storage and keep it alive as autograd would.
+
+        The tensor is kept detached. Kept as it is, an operator's own output saved by its
+        node would hold that node through its ``grad_fn``: a cycle through C++ that no
+        garbage collection breaks, and the whole graph would outlive the measurement.
+        """
         self.add_tensors((tensor,))
-        return tensor
+        return tensor.detach()
 
 
 def saving(tally: Tally) -> torch.autograd.graph.saved_tensors_hooks:

@@ -1,28 +1,27 @@
 """The budget planner, in one place: profiling for plans, costs over input shapes, and the
 solver that turns them into a :class:`Plan`.
+
+``ShapePlanner`` is the interface the marking layer plans through: given a model and one
+training forward's inputs, it returns the :class:`Choice` of a plan (measuring the costs
+of that layout of inputs the first time). The rest is for the tools around it: the
+profiler (``profile_modules``), the peak model and solver (``CostItem``,
+``predicted_peak``, ``solve_budget``), the items of a profile (``forward_items``,
+``with_step_terms``).
 """
 
-from ._costs import (
-    MeasuredChoice,
-    as_example,
-    forward_items,
-    forward_levels,
-    measure_and_choose,
-    resolve_budget,
-)
+from ._choose import Choice, step_items
+from ._cost_model import CostItem, CostOption, format_bytes, predicted_peak
+from ._inputs import InputLayout, as_example, read_layout
+from ._items import forward_items, forward_levels
 from ._ops import OpCost, packet_name
 from ._plan import Plan, PlanEntry
+from ._planner import PlanSettings, ShapePlanner, is_measuring, region_bytes, resolve_budget
 from ._profile import ModelProfile, ModuleCost, profile_modules
-from ._progress import should_show
-from ._shapes import CAPACITY, ShapePlans, Shapes, bucket_of, describe, input_shapes
 from ._solver import (
     BudgetSolution,
-    CostItem,
-    CostOption,
     PercentBudget,
-    format_bytes,
+    lowest_plan,
     pooled_times,
-    predicted_peak,
     smallest_reachable_peak,
     solve_budget,
 )
@@ -31,34 +30,34 @@ from ._step_terms import with_step_terms
 
 __all__ = [
     "BudgetSolution",
-    "CAPACITY",
+    "Choice",
     "CostItem",
     "CostOption",
-    "MeasuredChoice",
+    "InputLayout",
     "ModelProfile",
     "ModuleCost",
     "OpCost",
     "PercentBudget",
     "Plan",
     "PlanEntry",
-    "ShapePlans",
-    "Shapes",
+    "PlanSettings",
+    "ShapePlanner",
     "StepPeaks",
     "as_example",
-    "bucket_of",
-    "describe",
     "format_bytes",
+    "is_measuring",
     "forward_items",
     "forward_levels",
-    "input_shapes",
-    "measure_and_choose",
+    "lowest_plan",
     "packet_name",
     "pooled_times",
     "predicted_peak",
     "profile_modules",
+    "read_layout",
+    "region_bytes",
     "resolve_budget",
-    "should_show",
     "smallest_reachable_peak",
     "solve_budget",
+    "step_items",
     "with_step_terms",
 ]

@@ -59,7 +59,7 @@ class CostItem:
 
     Example:
         >>> CostItem("layers.0", kept=8 << 20, inputs=1 << 20, time=0.002)
-        CostItem(name='layers.0', kept=8388608, inputs=1048576, time=0.002, rebuilt=8388608, before=None, joins=None, options=(), grads=0, recompute_grads=0, saved=0, forward=0)
+        CostItem(name='layers.0', kept=8388608, inputs=1048576, time=0.002, rebuilt=8388608, before=None, joins=None, options=(), grads=0, recompute_grads=0, saved=0, forward=0, call_kept=8388608, call_inputs=1048576)
     """
 
     name: str
@@ -102,13 +102,26 @@ class CostItem:
     autograd, keeping only its inputs), beyond ``carried`` and what is held before it.
     Plain, its forward is taken to reach ``rebuilt``, the working set of a forward with
     autograd on. 0: not measured, and the forward is taken never to set the peak."""
+    call_kept: Optional[int] = None
+    """For a candidate its model calls several times in a row (a shared layer, a recurrent
+    cell stepped over time): what one call keeps, which the backward of that call holds
+    once recomputed, while ``kept``, ``inputs`` and ``rebuilt`` are of all calls, all
+    calls and one call. ``None`` means ``kept`` (one call)."""
+    call_inputs: Optional[int] = None
+    """Likewise, what a checkpoint of one call keeps (``inputs`` of one call); what the
+    earlier calls' checkpoints hold while the last one runs is ``inputs - call_inputs``
+    (``forward`` is beyond it). ``None`` means ``inputs``."""
 
     def __post_init__(self) -> None:
         if self.rebuilt is None:
             object.__setattr__(self, "rebuilt", self.kept)
+        if self.call_kept is None:
+            object.__setattr__(self, "call_kept", self.kept)
+        if self.call_inputs is None:
+            object.__setattr__(self, "call_inputs", self.inputs)
         for field in (
             "kept", "inputs", "rebuilt", "before", "joins", "grads", "recompute_grads", "saved",
-            "forward",
+            "forward", "call_kept", "call_inputs",
         ):
             value = getattr(self, field)
             if field in ("before", "joins") and value is None:
@@ -168,15 +181,17 @@ def predicted_peak(
 
     - the end of the forward: ``floor + x_final + tail``;
     - each plain candidate's forward and backward: ``ahead_i + x + carried_i +
-      max(kept_i + grads_i, F_i)``, where ``F_i`` is ``max(rebuilt_i, forward_i)`` if
-      ``forward`` is set, else 0 (with ``grads`` and ``forward`` 0 never above the end of
-      the forward);
+      max(kept_i + grads_i, kept_i - call_kept_i + F_i)``, where ``F_i`` is
+      ``max(rebuilt_i, forward_i)`` if ``forward`` is set, else 0 (with ``grads`` and
+      ``forward`` 0 never above the end of the forward); ``kept - call_kept`` is what the
+      earlier calls of a candidate called several times keep;
     - each candidate checkpointed alone with option o: ``ahead_i + x + carried_i +
-      max(inputs_o + rebuilt_o + recompute_grads_i, inputs_i - saved_i + kept_i +
-      grads_i, forward_i + inputs_o - inputs_i)``: its recomputation; its backward, which holds
-      all of ``kept`` (by then the operator outputs an option saved are part of the
-      rebuilt graph); and its forward without autograd, which keeps what the option
-      saves as it goes (0 if ``forward`` is not set);
+      max(inputs_o + rebuilt_o + recompute_grads_i, inputs_i - saved_i + call_kept_i +
+      grads_i, forward_i + inputs_o - call_inputs_i)``: its (last call's) recomputation;
+      its backward, which holds all that call keeps (by then the operator outputs an
+      option saved are part of the rebuilt graph); and its forward without autograd,
+      which keeps what the option saves as it goes, and what the earlier calls'
+      checkpoints hold (0 if ``forward`` is not set);
     - each segment f..l: ``ahead_f + x + carried_f + inputs_f + max(R + recompute_grads_l,
       B, F)``, where R, its recomputation, is ``kept_m + carried_(m+1)`` summed over the
       members m before l, plus ``rebuilt_l``; B is the largest, over its members k, of

@@ -40,7 +40,9 @@ def _held(item: CostItem, option: Optional[int]) -> int:
 def _plain_moment(item: CostItem) -> int:
     """A plain candidate's forward and backward, above ``ahead`` and what the candidates
     before hold."""
-    return _carried(item) + max(item.kept + item.grads, _plain_forward(item))
+    return _carried(item) + max(
+        item.kept + item.grads, item.kept - item.call_kept + _plain_forward(item)
+    )
 
 
 def _plain_forward(item: CostItem) -> int:
@@ -51,8 +53,8 @@ def _plain_forward(item: CostItem) -> int:
 def _alone_moment(item: CostItem, option: int) -> int:
     """A candidate checkpointed alone: its forward, its recomputation, then its backward."""
     inputs, rebuilt = _choice(item, option)
-    backward = item.inputs - item.saved + item.kept + item.grads
-    forward = item.forward + inputs - item.inputs if item.forward else 0
+    backward = item.inputs - item.saved + item.call_kept + item.grads
+    forward = item.forward + inputs - item.call_inputs if item.forward else 0
     return _carried(item) + max(inputs + rebuilt + item.recompute_grads, backward, forward)
 
 

@@ -21,15 +21,16 @@ from ._progress import ProgressBar, should_show
 from ._step import StepPeaks, measure_step
 from ..measure import tensors
 
-__all__ = ["ModuleCost", "ModelProfile", "profile_modules"]
+__all__ = ["ModuleCost", "ModelProfile", "measure_training_step", "profile_modules"]
 
 
 @dataclasses.dataclass(frozen=True)
 class ModuleCost:
     """What one candidate module costs in one forward of the model.
 
-    A module that runs several times in one forward (a shared block) gets the sum over its
-    calls in every figure, and ``calls`` says how many there were.
+    A module that runs several times in one forward (a shared layer, a recurrent cell
+    stepped over time) gets the sum over its calls in every figure but those named per
+    call, and ``calls`` says how many there were.
     """
 
     name: str
@@ -41,7 +42,10 @@ class ModuleCost:
     parameters and buffers, the model's inputs and the module's own inputs."""
     input_bytes: int
     """Bytes of the distinct storages of its tensor inputs (args and kwargs, nested), other
-    than parameters and buffers; a checkpoint of the module keeps these."""
+    than parameters, buffers and the model's own inputs (those were there before the
+    step); a checkpoint of the module keeps these. An input that the calls of other
+    candidates take too (a mask or position embeddings every layer takes) is alive through
+    the forward whatever is checkpointed: it is counted in the base instead, once."""
     output_bytes: int
     """Bytes of the distinct storages of its tensor outputs, other than parameters and buffers."""
     forward_time: float
@@ -56,8 +60,21 @@ class ModuleCost:
     calls: int = 1
     """How many times the model's forward called it (recursive calls of itself not counted)."""
     forward_peak_bytes: int = 0
-    """The most bytes that storages created by its forward held at one time: saved tensors,
-    temporaries and outputs; what a recomputation of it needs at its highest."""
+    """The most bytes that storages created by one call of its forward held at one time:
+    saved tensors, temporaries and outputs; what a recomputation of it needs at its
+    highest."""
+    forward_moments: Tuple[int, ...] = ()
+    """The bytes its forward's own storages held after each operator that created one
+    (the highest of its calls' where their operators line up): the points at which
+    ``forward_peak_bytes`` can be reached, which the cost model follows across input
+    shapes."""
+    call_kept_bytes: int = 0
+    """The most one call's forward saves for backward (``kept_bytes`` for one call)."""
+    call_input_bytes: int = 0
+    """The most bytes of one call's inputs (``input_bytes`` for one call)."""
+    created_bytes: int = 0
+    """Bytes of every storage its forward created, freed or not: the memory traffic its
+    time grows with, beside ``flops``."""
     handed_over_bytes: int = 0
     """The part of ``kept_bytes`` (its own saved outputs) that the forward after it saves
     as well, the next block's first layer for one: counted in the profile's base bytes,
@@ -73,6 +90,9 @@ class ModuleCost:
     position: int = -1
     """Where its (last) call comes among the candidates' calls that are not nested in
     another candidate's, from 0; -1 if there is none."""
+    first_position: int = -1
+    """Where its first such call comes; ``position - first_position + 1 == calls`` when
+    its calls follow each other with no other candidate's between them."""
     policy_saved_bytes: int = 0
     """With a save policy: bytes of the outputs of the operators it saves, which a selective
     checkpoint of the module keeps until backward."""
@@ -92,9 +112,10 @@ class ModuleCost:
     called. The planner derives selective levels from them."""
 
     def __post_init__(self) -> None:
-        # From JSON (``to_dict``), the operators come back as dicts.
+        # From JSON (``to_dict``), the operators and moments come back as lists of dicts.
         ops = tuple(op if isinstance(op, OpCost) else OpCost(**op) for op in self.ops)
         object.__setattr__(self, "ops", ops)
+        object.__setattr__(self, "forward_moments", tuple(int(m) for m in self.forward_moments))
 
     def to_dict(self) -> Dict[str, Any]:
         """The fields as a JSON-friendly dict."""
@@ -169,6 +190,7 @@ def profile_modules(
     save_policy: Optional[SavePolicy] = None,
     step: bool = False,
     loss_fn: Optional[Callable[[Any], Any]] = None,
+    preserve_rng_state: bool = True,
 ) -> ModelProfile:
     """Measure what each named module costs in one forward of ``model``.
 
@@ -218,6 +240,8 @@ def profile_modules(
         loss_fn: With ``step``, ``loss_fn(output)`` is the loss the step backpropagates
             from; by default the output itself if it is a scalar, its ``loss`` if it has
             one, else every floating-point output with gradients of ones.
+        preserve_rng_state: With ``step``, the engine option the step's checkpoints run
+            with (on the CPU each keeps the generator's state).
 
     Returns:
         A :class:`ModelProfile` with one :class:`ModuleCost` per name, in model order.
@@ -262,7 +286,10 @@ def profile_modules(
         if step:
             session.start_rng.restore()
             state.restore()
-            steps = measure_step(model, _outermost(targets), args, kwargs, _device(model, args, kwargs), loss_fn, save_policy)
+            steps = measure_step(
+                model, _outermost(targets), args, kwargs, _device(model, args, kwargs),
+                loss_fn, save_policy, preserve_rng_state,
+            )
     finally:
         torch.set_grad_enabled(grad_mode)
         session.start_rng.restore()
@@ -276,6 +303,33 @@ def profile_modules(
         base_bytes=session.base_bytes,
         step=steps,
     )
+
+
+def measure_training_step(
+    model: nn.Module,
+    names: Sequence[str],
+    args: Tuple[Any, ...],
+    kwargs: Dict[str, Any],
+    *,
+    loss_fn: Optional[Callable[[Any], Any]] = None,
+    save_policy: Optional[SavePolicy] = None,
+    preserve_rng_state: bool = True,
+) -> StepPeaks:
+    """One training step of ``model`` with every outermost one of ``names`` checkpointed,
+    measured phase by phase (what ``profile_modules(..., step=True)`` adds to a profile),
+    without profiling the modules: how the planner checks its fitted costs on the shape
+    it plans for. The model is left as it was (``.grad`` fields, buffers, flags, RNG)."""
+    targets = _resolve_targets(model, names)
+    state = _ModelState(model)
+    grad_mode = torch.is_grad_enabled()
+    try:
+        return measure_step(
+            model, _outermost(targets), tuple(args), dict(kwargs), _device(model, args, kwargs),
+            loss_fn, save_policy, preserve_rng_state,
+        )
+    finally:
+        torch.set_grad_enabled(grad_mode)
+        state.restore()
 
 
 def _outermost(targets: List[Tuple[str, nn.Module]]) -> List[Tuple[str, nn.Module]]:
@@ -337,28 +391,19 @@ def _unknown_names_message(model: nn.Module, unknown: List[str], valid: List[str
 
 
 def _cost(record: Record, replayed: bool) -> ModuleCost:
-    return ModuleCost(
-        name=record.name,
+    """The frozen cost of a finished record (they share their fields' names)."""
+    values = {
+        field.name: getattr(record, field.name)
+        for field in dataclasses.fields(ModuleCost)
+        if hasattr(record, field.name)
+    }
+    values.update(
         kind=type(record.module).__name__,
-        kept_bytes=record.kept,
-        input_bytes=record.inputs,
-        output_bytes=record.outputs,
-        forward_time=record.time,
-        flops=record.flops,
-        self_saved_input_bytes=record.self_saved_inputs,
         called=record.calls > 0,
-        calls=record.calls,
-        forward_peak_bytes=record.forward_peak,
-        handed_over_bytes=record.handed_over,
-        joins_previous=record.joins_previous,
-        base_before_bytes=record.base_before,
-        position=record.position,
-        policy_saved_bytes=record.policy_saved,
-        policy_saved_kept_bytes=record.policy_saved_kept,
-        recompute_time=record.replay_time if replayed else None,
-        selective_overhead=record.selective_overhead,
+        recompute_time=record.recompute_time if replayed else None,
         ops=tuple(record.ops or ()),
     )
+    return ModuleCost(**values)
 
 
 class _ModelState:

@@ -35,40 +35,47 @@ from ._timing import (
 
 __all__ = ["Record", "SavePolicy", "Session"]
 
+_NONE: StorageMap[None] = StorageMap()
+
 
 @dataclasses.dataclass
 class Record:
-    """What the calls of one candidate have added up to so far."""
+    """What the calls of one candidate have added up to so far: the fields of its
+    ``ModuleCost`` (same names, same meaning), and what the passes need besides."""
 
     name: str
     module: nn.Module
+    kind: str = ""
     calls: int = 0
-    kept: int = 0
-    outer_kept: int = 0  # from calls not nested in another candidate's: these make the total
-    self_saved_inputs: int = 0  # input bytes it saves itself, counted in the base
-    inputs: int = 0
-    outputs: int = 0
+    kept_bytes: int = 0
+    input_bytes: int = 0
+    output_bytes: int = 0
     flops: int = 0
-    time: float = 0.0
-    selective_overhead: float = 0.0  # what torch's selective dispatch mode adds to a forward
-    replay_time: float = 0.0  # with a save policy: the forward replaying the saved outputs
-    forward_peak: int = 0  # most bytes its forward's own storages held at once
-    handed_over: int = 0  # kept bytes of its outputs that what follows saves as well
-    policy_saved: int = 0  # bytes of the outputs the save policy keeps
-    policy_saved_kept: int = 0  # the part of those its plain forward saves as well
-    # Whether its one outermost call took the previous outermost candidate call's output
-    # as its only input, saved by it and by nothing after it.
+    forward_time: float = 0.0
+    self_saved_input_bytes: int = 0
+    forward_peak_bytes: int = 0
+    forward_moments: Tuple[int, ...] = ()
+    call_kept_bytes: int = 0
+    call_input_bytes: int = 0
+    created_bytes: int = 0
+    handed_over_bytes: int = 0
     joins_previous: bool = False
-    joined: Optional["Record"] = None  # the record of that previous call
-    base_before: Optional[int] = None  # base bytes when its last outermost call began
-    position: int = -1  # order of its last outermost call among all outermost calls
+    base_before_bytes: Optional[int] = None
+    position: int = -1
+    first_position: int = -1
+    policy_saved_bytes: int = 0
+    policy_saved_kept_bytes: int = 0
+    selective_overhead: float = 0.0
+    recompute_time: float = 0.0  # with a save policy: the forward replaying the saved outputs
+    ops: Optional[List[OpCost]] = None  # summed over its calls; None when they differ
+    # What the passes need besides.
+    outer_kept: int = 0  # kept bytes of calls not nested in another candidate's: the total
+    joined: Optional["Record"] = None  # the record of the call it continues a chain from
     depth: int = 0  # > 1 while the module is inside a call of itself
     timed: int = 0
     # Per call of the memory pass: which tensor inputs need grad, and the grad mode; the
     # timing pass runs under no_grad and cannot see either.
     call_modes: List[Tuple[List[bool], bool]] = dataclasses.field(default_factory=list)
-    # Its operators, summed over its calls; None when its calls ran different operators.
-    ops: Optional[List[OpCost]] = None
 
 
 @dataclasses.dataclass
@@ -117,6 +124,12 @@ class Session:
         self.start_rng = RngState(self._devices)
         self._base = Tally(self._excluded)
         self._frames: List[_Frame] = []
+        # Per input storage of an outermost call: the first record and call that took it.
+        self._input_owner: StorageMap[Tuple[Record, int]] = StorageMap()
+        # Per record, the input storages its calls took: another call of the same module
+        # taking one again holds it no longer (a mask every call of a shared layer takes).
+        self._counted_by: Dict[int, StorageMap[None]] = {}
+        self._shared: StorageMap[None] = StorageMap()
         # True while a measurement runs: candidates called inside it are not calls of their own.
         self._busy = False
         self._seen_in_pass: set = set()
@@ -127,6 +140,10 @@ class Session:
         handles: List[Any] = []
         try:
             handles += self._hook(self._memory_pre, self._memory_post)
+            handles += [
+                module.register_forward_pre_hook(self._note_state, prepend=True)
+                for module in self._model.modules()
+            ]
             # Each pass writes into its own copy of any KV cache given, not the caller's.
             args, kwargs = fresh_caches(self._args, self._kwargs)
             with torch.enable_grad(), saving(self._base):
@@ -149,6 +166,16 @@ class Session:
         finally:
             for handle in handles:
                 handle.remove()
+
+    def _note_state(self, module: nn.Module, args: Any) -> None:
+        """Exclude the parameters and buffers a module holds as it is called: FSDP2 swaps
+        its sharded parameters for gathered ones just before, and those are its state,
+        gathered and freed by FSDP2, not activations (a ``Linear`` saves its weight)."""
+        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            for storage in tensor_storages(tensor):
+                if storage not in self._state_storages:
+                    self._state_storages.setdefault(storage, None)
+                    self._excluded.setdefault(storage, None)
 
     @property
     def base_bytes(self) -> int:
@@ -221,7 +248,7 @@ class Session:
         policy_tally = Tally(self._excluded.union(input_storages))
         counter = FlopCounterMode(display=False)
         # What a recomputation holds at its highest: saved tensors and temporaries alike.
-        meter = StorageCounter(device_of(run_inputs, module).type)
+        meter = StorageCounter(device_of(run_inputs, module).type, trace=True)
         recorder = OpRecorder(tally)
         self._busy = True
         try:
@@ -234,34 +261,84 @@ class Session:
             outputs = tensors(output)
             out_grads = [t.requires_grad for t in outputs]
             frame = _Frame(nested, grad, out_grads, [tally.holds(t) for t in outputs])
-            record.outputs += Tally(self._state_storages).add_tensors(outputs).bytes
+            record.output_bytes += Tally(self._state_storages).add_tensors(outputs).bytes
             del output, outputs
         finally:
             self._busy = False
         record.calls += 1
-        record.kept += tally.bytes
+        record.kept_bytes += tally.bytes
+        record.call_kept_bytes = max(record.call_kept_bytes, tally.bytes)
+        record.created_bytes += meter.created_bytes
+        record.forward_moments = _highest(record.forward_moments, tuple(meter.moments))
         record.outer_kept += 0 if nested else tally.bytes
-        record.inputs += Tally(self._state_storages).add_tensors(inputs).bytes
         record.flops += counter.get_total_flops()
-        record.forward_peak += meter.peak_bytes
-        record.policy_saved += policy_tally.bytes
-        record.policy_saved_kept += policy_tally.shared_bytes(tally)
+        record.forward_peak_bytes = max(record.forward_peak_bytes, meter.peak_bytes)
+        record.policy_saved_bytes += policy_tally.bytes
+        record.policy_saved_kept_bytes += policy_tally.shared_bytes(tally)
         record.call_modes.append((grads, grad))
         record.ops = merge_calls(record.ops, recorder.ops(), first=record.calls == 1)
         self._frames.append(frame)
-        if not nested:
-            # Inputs the module saves stay alive in a real forward, but as no candidate's
-            # kept bytes: they belong to the base.
-            saved = [t for t, copy in zip(inputs, run_inputs) if tally.input_hits.holds(copy)]
-            record.self_saved_inputs += Tally(self._state_storages).add_tensors(saved).bytes
-            # Whether the call continues a chain depends on how the forward really called it.
-            self._note_join(record, args, kwargs, saved)
-            self._base.add_tensors(saved)
-            # Backward reaches this call once everything saved after it is freed.
-            record.base_before, record.position = self._base.bytes, self._calls
-            self._calls += 1
-            torch.set_grad_enabled(False)
+        if nested:
+            call_inputs = Tally(self._excluded).add_tensors(inputs).bytes
+            record.input_bytes += call_inputs
+            record.call_input_bytes = max(record.call_input_bytes, call_inputs)
+            return None
+        # Inputs the module saves stay alive in a real forward, but as no candidate's
+        # kept bytes: they belong to the base.
+        saved = [t for t, copy in zip(inputs, run_inputs) if tally.input_hits.holds(copy)]
+        self._count_inputs(record, inputs, saved)
+        # Whether the call continues a chain depends on how the forward really called it.
+        self._note_join(record, args, kwargs, saved)
+        self._base.add_tensors(saved)
+        # Backward reaches this call once everything saved after it is freed.
+        record.base_before_bytes, record.position = self._base.bytes, self._calls
+        if record.first_position < 0:
+            record.first_position = self._calls
+        self._calls += 1
+        torch.set_grad_enabled(False)
         return None
+
+    def _count_inputs(self, record: Record, inputs: List[torch.Tensor], saved: List[torch.Tensor]) -> None:
+        """Add one outermost call's inputs to its record.
+
+        An input that an earlier outermost call took too (an attention mask, or position
+        embeddings, that every layer takes) is alive through the whole forward and held,
+        after it, by whichever checkpoint or operator keeps it: it is counted once, in the
+        base, from the first call that took it, and in no call's inputs.
+        """
+        saved_here = StorageMap.of(saved)
+        counted = saved_bytes = 0
+        for tensor in inputs:
+            for storage in tensor_storages(tensor):
+                if storage in self._excluded or storage in self._counted_by.get(id(record), _NONE):
+                    continue
+                self._counted_by.setdefault(id(record), StorageMap()).setdefault(storage, None)
+                owner = self._input_owner.get(storage)
+                if owner is None:
+                    self._input_owner[storage] = (record, self._calls)
+                    counted += storage.nbytes()
+                    if storage in saved_here:
+                        saved_bytes += storage.nbytes()
+                    continue
+                self._share(storage, *owner)
+        record.input_bytes += counted
+        record.call_input_bytes = max(record.call_input_bytes, counted)
+        record.self_saved_input_bytes += saved_bytes
+
+    def _share(self, storage: torch.UntypedStorage, first: Record, position: int) -> None:
+        """``storage``, an input of the outermost call at ``position`` (of ``first``), is
+        an input of a later call too: move it from that call's inputs to the base."""
+        if storage in self._shared:
+            return
+        self._shared.setdefault(storage, None)
+        if storage in self._base:
+            return  # saved by that call or before it: counted in the base already
+        nbytes = storage.nbytes()
+        first.input_bytes -= nbytes
+        self._base.add(storage)
+        for record in self.records:
+            if record.base_before_bytes is not None and record.position >= position:
+                record.base_before_bytes += nbytes
 
     def _memory_post(self, module: nn.Module, args: Any, output: Any) -> Any:
         if not self._leave(module):
@@ -325,7 +402,7 @@ class Session:
         it is then counted in the base, and noted as handed over."""
 
         def claim(nbytes: int) -> None:
-            record.handed_over += nbytes
+            record.handed_over_bytes += nbytes
             record.outer_kept -= nbytes
 
         # Keyed by the storage itself, never by a bare address: if nothing saves the output
@@ -372,8 +449,8 @@ class Session:
                     ]
         finally:
             self._busy = False
-        record.time += statistics.median(samples)
-        record.replay_time += statistics.median(replays)
+        record.forward_time += statistics.median(samples)
+        record.recompute_time += statistics.median(replays)
         # What the selective dispatch mode adds to a forward, whatever it saves.
         record.selective_overhead += max(0.0, statistics.median(selective) - statistics.median(samples))
         record.ops = with_times(record.ops, op_runs)
@@ -408,6 +485,16 @@ class Session:
                 copies.append(copy)
         run_args, run_kwargs = tree_unflatten(leaves, spec)
         return run_args, run_kwargs, copies
+
+
+def _highest(known: Tuple[int, ...], new: Tuple[int, ...]) -> Tuple[int, ...]:
+    """Two calls' moments as one: the higher of each where they line up, else the moments
+    of the call that peaked higher."""
+    if not known:
+        return new
+    if len(known) == len(new):
+        return tuple(max(a, b) for a, b in zip(known, new))
+    return new if max(new, default=0) > max(known, default=0) else known
 
 
 def _as_checkpointed(module: nn.Module, args: Any, kwargs: Any) -> Tuple[Any, Any]:

@@ -81,8 +81,8 @@ class _Search:
     regions (a tie-break only: a partial plan with a higher peak so far and fewer members
     can end at the same peak). From each position a step covers one candidate, plain,
     checkpointed alone in full or with one of its options (each only if it holds less
-    than the plain candidate: otherwise it is no better in memory and costs time), or a
-    segment of several.
+    than the plain candidate, or reaches less at its own moment: otherwise it is no better
+    in memory and costs time), or a segment of several.
 
     Exact ties (equal time, peak, members and regions) go to the partial plan merged
     first, and merges follow model order: at each position, segments that end there come
@@ -111,10 +111,15 @@ class _Search:
             times = [(item.time, *(option.time for option in item.options)) for item in items]
         self.times = [list(row) for row in times]
         self.n = len(items)
-        # Per candidate, the ways to checkpoint it alone that hold less than it plain:
-        # 0 for the full recomputation, k for its option k.
+        # Per candidate, the ways to checkpoint it alone that hold less than it plain, or
+        # reach less at its own moment (a candidate called several times, whose backward
+        # holds one call's share of what it keeps plain): 0 for the full recomputation, k
+        # for its option k.
         self.alone = [
-            [k for k in range(len(item.options) + 1) if _held(item, k) < _held(item, None)]
+            [
+                k for k in range(len(item.options) + 1)
+                if _held(item, k) < _held(item, None) or _alone_moment(item, k) < _plain_moment(item)
+            ]
             for item in items
         ]
         # run_length[i]: how many candidates from i on can form one segment.
@@ -145,7 +150,7 @@ class _Search:
         sizes = [_held(item, None) for item in items]
         sizes += [_held(item, k) for i, item in enumerate(items) for k in self.alone[i]]
         sizes += [_held(item, 0) for i, item in enumerate(items) if self.run_length[i] > 1]
-        span = sum(_held(item, None) for item in items)
+        span = sum(self._most(i) for i in range(self.n))
         room = self._room()
         if room is not None:
             span = max(0, min(span, room))
@@ -161,11 +166,16 @@ class _Search:
 
     def _length(self) -> int:
         """Entries on the axis; those beyond the budget can never fit again."""
-        total = sum(self._units(_held(item, None)) for item in self.items)
+        total = sum(self._units(self._most(i)) for i in range(self.n))
         room = self._room()
         if room is None:
             return total + 1
         return min(total, room // self.unit) + 1
+
+    def _most(self, i: int) -> int:
+        """The most candidate ``i`` can hold until its backward, over its choices."""
+        item = self.items[i]
+        return max([_held(item, None)] + [_held(item, k) for k in self.alone[i]])
 
     def _units(self, nbytes: int) -> int:
         return -(-nbytes // self.unit)
@@ -183,7 +193,7 @@ class _Search:
             rows.append(_Row(size, size, _held(item, 0), moment, time, size * radix + 1))
         # A plain backward moment binds only if it can pass the end of the forward, which
         # holds at least floor + tail + x + what the candidate holds.
-        binds = ahead + max(item.grads, _plain_forward(item) - item.kept) > self.floor + self.tail
+        binds = ahead + max(item.grads, _plain_forward(item) - item.call_kept) > self.floor + self.tail
         plain = ahead + _plain_moment(item) if binds else _NO_MOMENT
         rows.append(_Row(0, 1, _held(item, None), plain, 0.0, 0))
         for k in self.alone[i]:

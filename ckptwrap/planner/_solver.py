@@ -31,6 +31,7 @@ __all__ = [
     "CostOption",
     "PercentBudget",
     "format_bytes",
+    "lowest_plan",
     "pooled_times",
     "predicted_peak",
     "smallest_reachable_peak",
@@ -162,6 +163,18 @@ def smallest_reachable_peak(items: Sequence[CostItem], *, base: int, tail: int =
     tail = _check_bytes(tail, "tail")
     groups, options = _Search(items, base, None, tail=tail).run()  # type: ignore[misc]
     return _peak(items, groups, base, tail, options)
+
+
+def lowest_plan(items: Sequence[CostItem], *, base: int, tail: int = 0) -> BudgetSolution:
+    """The plan of least predicted peak (segments and options included), at the least
+    recompute time among those; what a budget no plan reaches falls back to. Its
+    ``budget`` is that peak.
+
+    Raises:
+        CheckpointConfigError: On a bad item, ``base`` or ``tail``.
+    """
+    lowest = smallest_reachable_peak(items, base=base, tail=tail)
+    return solve_budget(items, lowest, base=base, tail=tail)
 
 
 def solve_budget(items: Sequence[CostItem], budget: int, *, base: int, tail: int = 0) -> BudgetSolution:

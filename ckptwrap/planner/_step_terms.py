@@ -41,17 +41,18 @@ def with_step_terms(
         recompute, backward = step.recompute.get(name), step.backward.get(name)
         forward = step.forward.get(name)
         if item.before is not None and forward is not None:
-            # Its forward: the base saved before it, what the candidates before it hold,
-            # its input, and its own working set on top.
+            # Its forward: the base saved before it, what the candidates before it hold
+            # and its own earlier calls' checkpoints, its input, and its own working set.
+            earlier = item.inputs - item.call_inputs
             item = dataclasses.replace(
-                item, forward=max(0, forward - (item.before - joined + held + carried))
+                item, forward=max(0, forward - (item.before - joined + held + carried + earlier))
             )
         if item.before is not None and recompute is not None and backward is not None:
             under = item.before - joined + held + carried + item.inputs
             item = dataclasses.replace(
                 item,
                 recompute_grads=max(0, recompute - under - item.rebuilt),
-                grads=max(0, backward - (under - item.saved) - item.kept),
+                grads=max(0, backward - (under - item.saved) - item.call_kept),
             )
         held += carried + item.inputs
         result.append((name, item))

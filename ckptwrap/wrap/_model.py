@@ -8,21 +8,21 @@ and after unwrapping.
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import dataclasses
-import pickle
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+import functools
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .._errors import CheckpointConfigError
-from .._warn import warn
+from .._warn import note
+from ..planner import Plan, PlanEntry, ShapePlanner, as_example, is_measuring
 from ._forwards import _CheckpointedForward, _SegmentMember, entry_options
-from ..planner import Plan, PlanEntry, ShapePlans, Shapes, as_example, bucket_of, describe, input_shapes
-from ._planning import _select, plan
-from ._ranks import agreed_plan
+from ._planning import _select, measured, plan, refuse_inference, shape_planner
+from ._ranks import agreement
 
 __all__ = ["wrap_model", "unwrap_model", "PLAN_ATTRIBUTE"]
 
@@ -38,6 +38,7 @@ def wrap_model(
     example_kwargs: Optional[Dict[str, Any]] = None,
     follow_shapes: Optional[bool] = None,
     loss_fn: Optional[Callable[[Any], Any]] = None,
+    max_shapes: Optional[Mapping[Any, Sequence[int]]] = None,
     **options: Any,
 ) -> nn.Module:
     """Checkpoint the submodules ``policy`` selects, in place, and return the model.
@@ -48,11 +49,13 @@ def wrap_model(
 
     A ``budget:`` policy needs measured costs: with ``example_inputs`` they are measured
     now; without, on the model's first training forward (with autograd on), which then
-    applies the plan before running on and says so once. A plan serves the inputs of its
-    shape bucket (every tensor dimension rounded up to a power of two) that are nowhere
-    larger than those it was measured on; a training forward that no plan made so far
-    serves is measured and planned for before it goes on, and says so. The plans of the
-    16 most recently used buckets are kept.
+    applies the plan before running on. Costs are measured at small shapes of those inputs
+    and fitted over their shapes, so every later training forward, at whatever batch size
+    and length, gets the plan for its own shape before it goes on: a solve, not a new
+    measurement. The budget holds at every training step, the ones that measure included;
+    where a shape cannot reach it, that forward runs under its plan of least memory, said
+    once (with ``example_inputs``, an unreachable budget is an error instead). A routine
+    note of each plan made or switched goes to the ``ckptwrap`` logger.
 
     Args:
         model: The model to change in place.
@@ -61,13 +64,14 @@ def wrap_model(
         example_inputs: See :func:`plan`.
         example_kwargs: See :func:`plan`.
         follow_shapes: For a ``budget:`` policy, whether a training forward with inputs of
-            new shapes plans again. ``None`` (the default) does so except in an initialised
-            process group of two or more ranks: planning there is a collective (every rank
-            applies one plan), which every rank must reach at the same step, so pass
-            ``True`` only if every rank sees the same input shapes at the same steps.
-            ``False`` keeps the first plan for every shape.
-        loss_fn: See :func:`plan`. Kept for planning again at new shapes, but not
-            pickled with the model: after unpickling, plans made then use the default.
+            another shape gets the plan for its shape (the default, ``None`` or ``True``),
+            or keeps the first plan (``False``). In a process group the ranks agree once
+            on the measured costs (a collective, where the costs are first measured: call
+            ``wrap_model`` on every rank, as a training script does), so every rank plans
+            a shape alike, with no collective afterwards.
+        loss_fn: See :func:`plan`. Kept for measuring inputs of another layout, but not
+            pickled with the model: after unpickling, measurements use the default.
+        max_shapes: See :func:`plan`.
         **options: Engine options of :func:`ckptwrap.checkpoint`.
 
     Returns:
@@ -82,37 +86,39 @@ def wrap_model(
     """
     if follow_shapes is not None and not isinstance(follow_shapes, bool):
         raise CheckpointConfigError(
-            f"follow_shapes must be True, False or None (the default: plan again for new "
-            f"input shapes except in a process group), got {follow_shapes!r}."
+            f"follow_shapes must be True, False or None (the default: plan each training "
+            f"forward's shape), got {follow_shapes!r}."
         )
     # Everything that can be checked without costs is checked now.
     unmeasured, budget = _select(model, policy, nested, options)
-    if budget is not None and _applied_already(model, unmeasured):
+    if budget is None:
+        if example_inputs is None and example_kwargs is None:
+            _apply(model, unmeasured)
+        else:
+            _apply(model, plan(
+                model, policy, nested=nested, example_inputs=example_inputs,
+                example_kwargs=example_kwargs, loss_fn=loss_fn, **options,
+            ))
+        return model
+    if _applied_already(model, unmeasured):
         # Planned again on the wrapped model, the budget would be read against the memory
         # that is left: wrapping twice stays a no-op.
         return model
-    if example_inputs is None and example_kwargs is None:
-        if budget is not None:
-            _remove_pending(model)
-            model.register_forward_pre_hook(
-                _PlanPerShape(policy, nested, options, follow_shapes, loss_fn), with_kwargs=True
-            )
-            setattr(model, PLAN_ATTRIBUTE, dataclasses.replace(unmeasured, pending=True))
-            return model
-        _apply(model, unmeasured)
-        return model
-    applied = plan(
-        model, policy, nested=nested, example_inputs=example_inputs,
-        example_kwargs=example_kwargs, loss_fn=loss_fn, **options,
+    planner = shape_planner(
+        model, policy, unmeasured, budget, loss_fn, max_shapes, agree=agreement(model, unmeasured)
     )
-    if budget is None:
-        _apply(model, applied)
+    hook = _PlanPerShape(planner, unmeasured, follow_shapes)
+    if example_inputs is None and example_kwargs is None:
+        _remove_pending(model)
+        model.register_forward_pre_hook(hook, with_kwargs=True)
+        setattr(model, PLAN_ATTRIBUTE, dataclasses.replace(unmeasured, pending=True))
         return model
-    applied = agreed_plan(model, applied)
+    args, kwargs = as_example(example_inputs, example_kwargs)
+    refuse_inference(budget, unmeasured, args, kwargs)
+    applied = measured(unmeasured, planner.choose(model, args, kwargs, strict=True))
     _remove_pending(model)
     _apply(model, applied)
-    hook = _PlanPerShape(policy, nested, options, follow_shapes, loss_fn)
-    hook.seed(input_shapes(*as_example(example_inputs, example_kwargs)), applied)
+    hook.applied = applied
     model.register_forward_pre_hook(hook, with_kwargs=True)
     return model
 
@@ -208,128 +214,51 @@ def _in_model_order(modules: Dict[str, nn.Module], entries: List[PlanEntry]) -> 
 
 
 class _PlanPerShape:
-    """Forward pre-hook of a model wrapped with a ``budget:`` policy: it plans on the first
-    training forward, and again on one whose inputs no plan made so far serves (the bucket
-    rule of ``_shapes``), switching the marks before that forward goes on.
+    """Forward pre-hook of a model wrapped with a ``budget:`` policy: before each training
+    forward goes on, it asks the planner for the plan of that forward's inputs (measuring
+    costs on the first, a solve from then on) and switches the marks if the plan differs
+    from the one applied.
 
     Switching only between forwards is safe for a backward still pending: each forward
     captured the function and options it ran with, and its recomputation uses those.
     """
 
-    def __init__(
-        self,
-        policy: Any,
-        nested: bool,
-        options: Dict[str, Any],
-        follow_shapes: Optional[bool],
-        loss_fn: Optional[Callable[[Any], Any]] = None,
-    ) -> None:
-        self.policy = policy
-        self.loss_fn = loss_fn
-        self.nested = nested
-        self.options = options
+    def __init__(self, planner: ShapePlanner, unmeasured: Plan, follow_shapes: Optional[bool]) -> None:
+        self.planner = planner
+        self.unmeasured = unmeasured  # the selection the planner chooses among
         self.follow_shapes = follow_shapes
-        self.plans = ShapePlans()
         self.applied: Optional[Plan] = None  # the plan whose modules this hook marked
-        self.noted: set = set()  # buckets left unplanned, said so once each
-        self.busy = False
-
-    def __getstate__(self) -> Dict[str, Any]:
-        # A loss function is often a lambda or a closure, which cannot pickle; plans made
-        # after unpickling then use the default loss.
-        state = dict(self.__dict__)
-        try:
-            pickle.dumps(self.loss_fn)
-        except Exception:  # noqa: BLE001 - whatever stops it pickling, leave it out
-            state["loss_fn"] = None
-        return state
-
-    def __deepcopy__(self, memo: Dict[int, Any]) -> "_PlanPerShape":
-        # A copy in memory keeps the loss function, pickleable or not.
-        copied = object.__new__(type(self))
-        memo[id(self)] = copied
-        copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
-        return copied
-
-    def seed(self, shapes: Shapes, applied: Plan) -> None:
-        """Start from ``applied``, made by ``wrap_model`` on inputs of ``shapes``."""
-        self.plans.add(shapes, applied)
-        self.applied = applied
 
     def __call__(self, model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
-        if self.busy or not torch.is_grad_enabled() or not model.training:
-            return None
-        if self.applied is not None and torch.compiler.is_compiling():
+        if is_measuring() or not torch.is_grad_enabled() or not model.training:
+            return None  # not a training forward of the caller's
+        if self.applied is not None and (torch.compiler.is_compiling() or self.follow_shapes is False):
             return None  # compiled code keeps the plan it was traced with
-        shapes = input_shapes(args, kwargs)
-        found = self.plans.find(shapes, prefer=self.applied)
-        if found is not None:
-            if found is not self.applied:
-                record = model.__dict__.get(PLAN_ATTRIBUTE)
-                _unmark(_named(model, self.applied))
-                self._mark_recorded(model, found, record)
-            return None
-        if self.applied is not None and not self._following():
-            self._note(model, shapes)
-            return None
-        new_bucket = not self.plans.knows(shapes)
-        first = self.applied is None
-        applied = self._plan(model, args, kwargs, shapes)
-        self.plans.add(shapes, applied)
-        peak = f"{(applied.predicted_peak or 0) / 2**20:.1f} MiB predicted at the training step's peak"
-        if first:
-            warn(
-                f"ckptwrap measured {type(model).__name__} on its first training forward and "
-                f"applied {applied.policy!r}: {len(applied)} module(s) checkpointed, {peak} "
-                f"(model.ckptwrap_plan has the details).",
-            )
-        else:
-            why = "a new shape bucket" if new_bucket else "larger than its bucket's plans were measured at"
-            warn(
-                f"ckptwrap measured {type(model).__name__} again on a training forward with "
-                f"inputs of shapes {describe(shapes)} ({why}) and applied {applied.policy!r}: "
-                f"{len(applied)} module(s) checkpointed, {peak} (plans are kept per shape "
-                f"bucket; model.ckptwrap_plan has the details).",
-            )
-        return None
-
-    def _plan(
-        self, model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], shapes: Shapes
-    ) -> Plan:
-        """Measure and plan on these inputs and apply the plan, or leave all as it was."""
         record = model.__dict__.get(PLAN_ATTRIBUTE)
         previous = self.applied
-        marks = [(module, module.__dict__.get("forward")) for module in _named(model, previous)]
-        _unmark(module for module, _ in marks)  # measured as it runs without this hook's marks
-        self.busy = True  # profiling runs the model's forward again
-        try:
-            made = plan(
-                model, self.policy, nested=self.nested, example_inputs=args,
-                example_kwargs=kwargs, loss_fn=self.loss_fn, **self.options,
-            )
-            made = agreed_plan(model, made)
-        except BaseException as error:
-            for module, forward in marks:
-                if forward is not None:
-                    module.forward = forward
-            if record is not None:
-                setattr(model, PLAN_ATTRIBUTE, record)
-            if previous is None or not isinstance(error, CheckpointConfigError):
-                raise
-            raise CheckpointConfigError(
-                f"{type(model).__name__} got a training forward with inputs of shapes "
-                f"{describe(shapes)}, which no plan made so far serves, and planning "
-                f"{previous.policy!r} for them failed; the previous plan is still applied. "
-                f"{error}"
-            ) from error
-        finally:
-            self.busy = False
+        choice = self.planner.choose(
+            model, args, kwargs, strict=False, around=functools.partial(_unmarked, model, previous)
+        )
+        new = measured(self.unmeasured, choice)
+        if previous is not None and _same_marks(previous, new):
+            self.applied = new
+            if isinstance(record, Plan) and not record.pending:
+                setattr(model, PLAN_ATTRIBUTE, dataclasses.replace(record, **_predictions(new)))
+            return None
         if previous is None:
-            _apply(model, made)
-            self.applied = made
+            _apply(model, new)
+            self.applied = new
         else:
-            self._mark_recorded(model, made, record)
-        return made
+            _unmark(_named(model, previous))
+            self._mark_recorded(model, new, record)
+        shapes = self.planner.layout_of(args, kwargs) or "these inputs"
+        verb = "applied" if previous is None else "switched to"
+        note(
+            f"ckptwrap {verb} {new.policy!r} for {type(model).__name__}'s inputs of {shapes}: "
+            f"{len(new)} module(s) checkpointed, {(new.predicted_peak or 0) / 2**20:.1f} MiB "
+            f"predicted at the training step's peak (model.ckptwrap_plan has the details)."
+        )
+        return None
 
     def _mark_recorded(self, model: nn.Module, new: Plan, record: Any) -> None:
         """Mark ``new``'s modules (this hook's old ones are unmarked) and record it as the
@@ -350,26 +279,44 @@ class _PlanPerShape:
             dropped=tuple(item for item in new.dropped if item[0] not in names),
         ))
 
-    def _following(self) -> bool:
-        if self.follow_shapes is not None:
-            return self.follow_shapes
-        return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
 
-    def _note(self, model: nn.Module, shapes: Shapes) -> None:
-        bucket = bucket_of(shapes)
-        if self.follow_shapes is False or bucket in self.noted:
-            return
-        self.noted.add(bucket)
-        warn(
-            f"{type(model).__name__} got a training forward with inputs of shapes "
-            f"{describe(shapes)}, which the applied {self.policy!r} plan was not measured "
-            f"for, so an absolute budget may be exceeded. In a process group of "
-            f"{dist.get_world_size()} ranks ckptwrap does not plan again on its own: planning "
-            f"is a collective, and ranks may see other shapes at this step. Pass "
-            f"follow_shapes=True to wrap_model if every rank sees the same shapes at the same "
-            f"steps, or plan up front with example_inputs of the largest shapes (the same on "
-            f"every rank).",
-        )
+@contextlib.contextmanager
+def _unmarked(model: nn.Module, applied: Optional[Plan]) -> Iterator[None]:
+    """While the planner measures the model from inside its training forward: without the
+    marks of ``applied`` (costs are measured as the model runs unmarked), put back after.
+
+    An FSDP2 model's own parameters are gathered again afterwards: FSDP2 gathered them
+    before this hook ran, and the measured step's backward sharded them once more, so the
+    forward that goes on would meet sharded ones."""
+    marks = [(module, module.__dict__.get("forward")) for module in _named(model, applied)]
+    _unmark(module for module, _ in marks)
+    try:
+        yield
+    finally:
+        for module, forward in marks:
+            if forward is not None:
+                module.forward = forward
+        fsdp = getattr(dist, "fsdp", None) if dist.is_available() else None
+        module_class = getattr(fsdp, "FSDPModule", None)
+        if module_class is not None and isinstance(model, module_class):
+            model.unshard()
+
+
+def _same_marks(old: Plan, new: Plan) -> bool:
+    """Whether two plans mark the same modules the same way (predictions aside)."""
+    def marks(plan: Plan) -> List[Tuple[Any, ...]]:
+        return [(e.name, e.joins, e.saved_ops, e.option) for e in plan.selected]
+
+    return marks(old) == marks(new)
+
+
+def _predictions(plan: Plan) -> Dict[str, Any]:
+    return {
+        "budget": plan.budget,
+        "activation_bytes": plan.activation_bytes,
+        "predicted_peak": plan.predicted_peak,
+        "plain_peak": plan.plain_peak,
+    }
 
 
 def _named(model: nn.Module, applied: Optional[Plan]) -> List[nn.Module]:

@@ -5,7 +5,7 @@ a budget keeps; nothing in the model changes.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -13,13 +13,21 @@ from torch.utils._pytree import tree_leaves
 
 from .._errors import CheckpointConfigError
 from ..policy import Budget, Offload, Selective, as_policy, split_modifiers
-from ..planner import ModelProfile, Plan, PlanEntry, as_example, measure_and_choose
+from ..planner import (
+    Choice,
+    ModelProfile,
+    Plan,
+    PlanEntry,
+    PlanSettings,
+    ShapePlanner,
+    as_example,
+)
 from ._forwards import marking
 from ..engine import CheckpointOptions, options_from
 from ._selective import SelectiveContexts
 from ._wrapper import refuse_torchscript
 
-__all__ = ["plan", "plan_and_profile"]
+__all__ = ["measured", "plan", "plan_and_profile", "refuse_inference", "shape_planner"]
 
 
 def plan(
@@ -30,6 +38,7 @@ def plan(
     example_inputs: Any = None,
     example_kwargs: Optional[Dict[str, Any]] = None,
     loss_fn: Optional[Callable[[Any], Any]] = None,
+    max_shapes: Optional[Mapping[Any, Sequence[int]]] = None,
     **options: Any,
 ) -> Plan:
     """What :func:`wrap_model` would do with these arguments, without changing ``model``.
@@ -42,15 +51,24 @@ def plan(
         nested: Keep selected modules that lie inside other selected (or already
             checkpointed) modules, as nested checkpoints. By default they are left out.
         example_inputs: Positional inputs of one training forward (a tensor or a tuple).
-            Given, the candidates are profiled on them and the plan carries predicted
-            memory and time; a ``budget:`` policy needs them. The model runs as it is
-            (profile a training model in train mode); its state is left unchanged.
-        example_kwargs: Keyword inputs of that forward.
+            Given, the candidates' costs are measured (at small shapes of these inputs,
+            fitted over their shapes, and checked with one step on them) and the plan
+            carries predicted memory and time; a ``budget:`` policy needs them. The model
+            runs as it is (measure a training model in train mode); its state is left
+            unchanged.
+        example_kwargs: Keyword inputs of that forward (a Hugging Face model's
+            ``input_ids``, ``attention_mask``, ``labels``...).
         loss_fn: How the training step turns the model's output into the loss
             (``loss_fn(output) -> scalar tensor``), for measuring the step whose peak the
             plan predicts and a budget caps. By default the output itself if it is a
             scalar, its ``loss`` if it has one (a Hugging Face output given labels), else
-            each floating-point output gets a gradient of ones.
+            each floating-point output gets a gradient of ones. It must take outputs of
+            any shape; one that fails on smaller ones is used on the example inputs alone.
+        max_shapes: The largest shapes the inputs will take in training, as a mapping
+            from an input's keyword (or position, an int) to its shape, such as
+            ``{"input_ids": (8, 1024)}``: a ``budget:NN%`` is then read against the
+            un-checkpointed step's peak at those shapes, and a budget they cannot reach
+            is an error now.
         **options: Engine options of :func:`ckptwrap.checkpoint`.
 
     Returns:
@@ -59,12 +77,13 @@ def plan(
         total.
 
     Raises:
-        CheckpointConfigError: The policy or an option is not valid for this model, or a
-            selected module is already checkpointed with different options.
+        CheckpointConfigError: The policy or an option is not valid for this model, a
+            selected module is already checkpointed with different options, or no plan
+            fits the budget at the example inputs' shapes (or at ``max_shapes``).
     """
     return plan_and_profile(
         model, policy, nested=nested, example_inputs=example_inputs,
-        example_kwargs=example_kwargs, loss_fn=loss_fn, **options,
+        example_kwargs=example_kwargs, loss_fn=loss_fn, max_shapes=max_shapes, **options,
     )[0]
 
 
@@ -77,52 +96,94 @@ def plan_and_profile(
     example_kwargs: Optional[Dict[str, Any]] = None,
     profile: Optional[ModelProfile] = None,
     loss_fn: Optional[Callable[[Any], Any]] = None,
+    max_shapes: Optional[Mapping[Any, Sequence[int]]] = None,
     **options: Any,
 ) -> Tuple[Plan, Optional[ModelProfile]]:
     """:func:`plan`, and the profile its predictions come from (None when unmeasured).
 
-    ``profile``, made on the same example inputs, is used instead of profiling again where
-    it serves (see ``measure_and_choose``), so that a drawing made from it agrees with the
-    plan.
+    ``profile``, measured directly on the same example inputs, is used instead of
+    measuring where it serves (it covers the candidates and, for a budget, no more), so
+    that a drawing made from it agrees with the plan.
     """
     unmeasured, budget = _select(model, policy, nested, options)
-    if loss_fn is not None and not callable(loss_fn):
-        raise CheckpointConfigError(
-            f"loss_fn must be a callable loss_fn(output) -> loss tensor, got "
-            f"{type(loss_fn).__name__} {loss_fn!r}."
-        )
     if budget is None and example_inputs is None and example_kwargs is None:
         return unmeasured, None
     if example_inputs is None and example_kwargs is None:
         raise CheckpointConfigError(
             f"{budget.describe()} chooses modules from measured costs, so plan() needs "
-            f"example_inputs=(...) for one training forward of {type(model).__name__}; "
-            f"wrap_model without them measures on the first training forward instead."
+            f"example_inputs=(...) (or example_kwargs={{...}}) for one training forward of "
+            f"{type(model).__name__}; wrap_model without them measures on the first "
+            f"training forward instead."
         )
+    planner = shape_planner(model, policy, unmeasured, budget, loss_fn, max_shapes)
     args, kwargs = as_example(example_inputs, example_kwargs)
-    _refuse_inference(budget, unmeasured, args, kwargs)
-    context_fn = unmeasured.options.context_fn
-    save_policy = context_fn.args[0] if isinstance(context_fn, SelectiveContexts) else None
-    choice = measure_and_choose(
-        model, unmeasured.selected, budget, args, kwargs,
-        save_policy=save_policy,
+    refuse_inference(budget, unmeasured, args, kwargs)
+    if profile is not None and _serves(profile, unmeasured.names, budget, planner.settings.save_policy):
+        planner.seed(args, kwargs, profile)
+    choice = planner.choose(model, args, kwargs, strict=True)
+    return measured(unmeasured, choice), choice.profile
+
+
+def shape_planner(
+    model: nn.Module,
+    policy: Any,
+    unmeasured: Plan,
+    budget: Optional[Budget],
+    loss_fn: Optional[Callable[[Any], Any]],
+    max_shapes: Optional[Mapping[Any, Sequence[int]]],
+    agree: Optional[Callable[[Any], Any]] = None,
+) -> ShapePlanner:
+    """The planner of ``unmeasured``'s candidates, as ``policy`` allows it to checkpoint
+    them."""
+    if loss_fn is not None and not callable(loss_fn):
+        raise CheckpointConfigError(
+            f"loss_fn must be a callable loss_fn(output) -> loss tensor, got "
+            f"{type(loss_fn).__name__} {loss_fn!r}."
+        )
+    if max_shapes is not None and not isinstance(max_shapes, Mapping):
+        raise CheckpointConfigError(
+            f"max_shapes must map an input's keyword (or position, an int) to its largest "
+            f"shape, such as {{'input_ids': (8, 1024)}}; got {type(max_shapes).__name__}."
+        )
+    options = unmeasured.options
+    context_fn = options.context_fn
+    settings = PlanSettings(
+        candidates=tuple((entry.name, entry.kind) for entry in unmeasured.selected),
+        budget=budget,
+        save_policy=context_fn.args[0] if isinstance(context_fn, SelectiveContexts) else None,
         # Segments run on the non-re-entrant engine only.
-        segments=unmeasured.tier == "recompute" and not unmeasured.options.use_reentrant,
+        segments=unmeasured.tier == "recompute" and not options.use_reentrant,
         levels=budget is not None and _levels_allowed(policy, unmeasured),
-        tier=unmeasured.tier,
-        profile=profile,
+        recompute=unmeasured.tier == "recompute",
+        preserve_rng_state=options.preserve_rng_state,
         loss_fn=loss_fn,
     )
-    measured = dataclasses.replace(
+    return ShapePlanner(
+        settings, max_shapes=dict(max_shapes) if max_shapes else None, agree=agree
+    )
+
+
+def measured(unmeasured: Plan, choice: Choice) -> Plan:
+    """``unmeasured`` with the choice measured costs made, and their predictions."""
+    return dataclasses.replace(
         unmeasured,
-        selected=tuple(choice.entries),
-        dropped=unmeasured.dropped + tuple(choice.dropped),
+        selected=choice.entries,
+        dropped=unmeasured.dropped + choice.dropped,
         budget=choice.budget,
         activation_bytes=choice.activation_bytes,
         predicted_peak=choice.predicted_peak,
         plain_peak=choice.plain_peak,
     )
-    return measured, choice.profile
+
+
+def _serves(
+    profile: ModelProfile, names: Sequence[str], budget: Optional[Budget], save_policy: Any
+) -> bool:
+    """Whether a given profile can stand for measuring ``names`` here."""
+    if save_policy is not None or profile.step is None:
+        return False
+    profiled = {cost.name for cost in profile.modules}
+    return set(names) <= profiled and (budget is None or profiled == set(names))
 
 
 def _levels_allowed(policy: Any, unmeasured: Plan) -> bool:
@@ -140,7 +201,7 @@ def _levels_allowed(policy: Any, unmeasured: Plan) -> bool:
     )
 
 
-def _refuse_inference(
+def refuse_inference(
     budget: Optional[Budget], unmeasured: Plan, args: Tuple[Any, ...], kwargs: Dict[str, Any]
 ) -> None:
     """Costs are measured on a training forward; under inference mode (or on its tensors)

@@ -1,16 +1,17 @@
-"""One budget plan for every rank of a process group.
+"""One set of measured costs for every rank of a process group.
 
-A budget plan follows measured times and bytes, which differ between ranks (noise, or
-each rank's own share of the batch). Ranks that checkpoint different modules of the same
-model do different work and may disagree on peaks; so ``wrap_model`` makes every rank
-apply the plan of the lowest rank that holds the same model.
+Measured times and bytes differ between ranks (noise, or each rank's own share of the
+batch), and ranks that planned from different costs could checkpoint different modules
+at the same shape. So where the costs of a budget plan are measured, the ranks take each
+value the lowest rank that holds the same model and policy has (the shapes to measure
+at, whether the costs could be fitted, the fitted costs); every later plan is a solve on
+them, the same on every rank, with no collective.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch.distributed as dist
 from torch import nn
@@ -18,27 +19,31 @@ from torch import nn
 from ..planner import Plan
 from ._selective import SelectiveContexts
 
-__all__ = ["agreed_plan"]
+__all__ = ["agreement"]
 
 
-def agreed_plan(model: nn.Module, plan: Plan) -> Plan:
-    """``plan`` as every rank of the default process group holding this model applies it.
+def agreement(model: nn.Module, plan: Plan) -> Optional[Callable[[Any], Any]]:
+    """A function that returns, for a value of this rank's measurement, that of the lowest
+    rank of the default process group whose model and policy match (one collective, so
+    every rank must call it at the same point); None without a group of two or more ranks.
 
-    All ranks gather each other's plans (one collective, so ``wrap_model`` with a budget
-    must run on every rank, as it does in a training script); a rank takes the plan of the
-    lowest rank whose model and policy match its own. Ranks that hold other models (the
-    stages of a pipeline) keep their own. Without an initialised group of two or more
-    ranks, ``plan`` is returned as it is.
+    Ranks that hold other models (the stages of a pipeline) keep their own.
     """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
-        return plan
-    mine = (_fingerprint(model, plan), _choice(plan))
-    gathered: List[Optional[Tuple[str, Dict[str, Any]]]] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    for entry in gathered:  # in rank order, so the lowest matching rank wins
-        if entry is not None and entry[0] == mine[0]:
-            return dataclasses.replace(plan, **entry[1])
-    return plan
+        return None
+    mine = _fingerprint(model, plan)
+
+    def agree(value: Any) -> Any:
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return value
+        gathered: List[Optional[Tuple[str, Any]]] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (mine, value))
+        for entry in gathered:  # in rank order, so the lowest matching rank wins
+            if entry is not None and entry[0] == mine:
+                return entry[1]
+        return value
+
+    return agree
 
 
 def _fingerprint(model: nn.Module, plan: Plan) -> str:
@@ -53,15 +58,3 @@ def _fingerprint(model: nn.Module, plan: Plan) -> str:
     for name, module in model.named_modules():
         digest.update(f"{name}:{type(module).__module__}.{type(module).__qualname__};".encode())
     return digest.hexdigest()
-
-
-def _choice(plan: Plan) -> Dict[str, Any]:
-    """What measurement decided in ``plan``: plain data that pickles on any rank."""
-    return {
-        "selected": plan.selected,
-        "dropped": plan.dropped,
-        "budget": plan.budget,
-        "activation_bytes": plan.activation_bytes,
-        "predicted_peak": plan.predicted_peak,
-        "plain_peak": plan.plain_peak,
-    }

@@ -21,7 +21,7 @@ import sys
 import traceback
 import warnings
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import torch
 import torch.distributed as dist
@@ -38,20 +38,39 @@ from _dist_setup import (  # noqa: E402
 
 def train(scenario: Dict[str, Any], rank: int, world: int) -> Dict[str, Any]:
     """Train one scenario; return how many modules were checkpointed and every parameter,
-    in full, by qualified name."""
+    in full, by qualified name.
+
+    A scenario marks the model before wrapping it in DDP or sharding it with FSDP2, or,
+    with ``"order": "shard-first"``, after; a ``budget:`` policy plans on the first
+    training forward, or, with ``"example": True``, on this rank's first batch at once.
+    """
     model = build_model(scenario["model"])
-    ckptwrap.wrap_model(model, scenario["policy"], use_reentrant=scenario["use_reentrant"])
+    share = GLOBAL_BATCH // world
+    mine = slice(rank * share, (rank + 1) * share)
+
+    def mark() -> None:
+        example = None
+        if scenario.get("example"):
+            tokens, targets = synthetic_batch(CONFIG, GLOBAL_BATCH, seed=0)
+            example = (tokens[mine], targets[mine])
+        ckptwrap.wrap_model(
+            model, scenario["policy"], use_reentrant=scenario["use_reentrant"], example_inputs=example
+        )
+
+    shard_first = scenario.get("order") == "shard-first"
+    if not shard_first:
+        mark()
     if scenario["strategy"] == "ddp":
         runner = DistributedDataParallel(model, **scenario.get("ddp", {}))
     else:
         for block in model.blocks:
             fully_shard(block)
         runner = fully_shard(model)
+    if shard_first:
+        mark()
     optimizer = make_optimizer(model)
-    share = GLOBAL_BATCH // world
     for step in range(STEPS):
         tokens, targets = synthetic_batch(CONFIG, GLOBAL_BATCH, seed=step)
-        mine = slice(rank * share, (rank + 1) * share)
         optimizer.zero_grad(set_to_none=True)
         runner(tokens[mine], targets[mine]).backward()
         optimizer.step()
@@ -63,25 +82,36 @@ def train(scenario: Dict[str, Any], rank: int, world: int) -> Dict[str, Any]:
 
 
 def budget_plans(rank: int) -> Dict[str, Any]:
-    """The budget plans this rank makes on its own and applies with the others.
+    """The budget plans this rank makes on its own batch and on a batch every rank shares.
 
-    Each rank plans on its own share of the batch, twice as large on rank 1 as on rank 0,
-    under one absolute budget: alone they choose different blocks, so only agreement makes
-    them apply the same.
+    Each rank first plans on its own share of the batch, twice as large on rank 1 as on
+    rank 0, under one absolute budget that rank 0 meets with nothing checkpointed and rank
+    1 does not: each rank plans for its own shape. The ranks agree on the measured costs,
+    so a batch both then see gets the same plan on both, from rank 0's costs (their time
+    rates, which differ between ranks otherwise, say whose).
     """
     model = build_model("gpt")
     reference = ckptwrap.plan(model, "blocks", example_inputs=synthetic_batch(CONFIG, 2, seed=0))
-    # 1.3 times rank 0's un-checkpointed step peak: rank 0 needs to checkpoint nothing, rank
-    # 1, with twice the batch (and about 1.9 times that peak), must, and can.
     budget = f"budget:{reference.plain_peak * 13 // 10 // 1024}KiB;recompute"
     mine = synthetic_batch(CONFIG, 2 * (rank + 1), seed=rank)
-    own = ckptwrap.plan(model, budget, example_inputs=mine).names  # plan() alone is not collective
+    shared = synthetic_batch(CONFIG, 3, seed=7)
+    result: Dict[str, Any] = {"own": ckptwrap.plan(model, budget, example_inputs=mine).names}
     eager = ckptwrap.wrap_model(build_model("gpt"), budget, example_inputs=mine)
     lazy = ckptwrap.wrap_model(build_model("gpt"), budget)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the note that the plan was measured on this forward
-        lazy(*mine).backward()
-    return {"own": own, "eager": eager.ckptwrap_plan.names, "lazy": lazy.ckptwrap_plan.names}
+    lazy(*mine).backward()
+    for path, wrapped in (("eager", eager), ("lazy", lazy)):
+        result[path] = wrapped.ckptwrap_plan.names
+        wrapped(*shared).backward()
+        result[f"{path} shared"] = wrapped.ckptwrap_plan.names
+        result[f"{path} rates"] = _rates(wrapped)
+    return result
+
+
+def _rates(model: Any) -> List[float]:
+    """The time rates of the costs the model's budget plans are made from."""
+    hook = next(h for h in model._forward_pre_hooks.values() if hasattr(h, "planner"))
+    fit = hook.planner._layouts[0].fit
+    return [timing.rate for _, timing in sorted(fit._timings.items())]
 
 
 def main() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import importlib.util
 import subprocess
 import sys
@@ -120,15 +122,16 @@ def test_every_example_script_prints_its_help(script):
 # --------------------------------------------------------------------------- what the table counts
 
 
-def test_a_budget_row_counts_the_modules_its_applied_plan_checkpoints(train_gpt):
+def test_a_budget_row_counts_the_modules_its_applied_plan_checkpoints(train_gpt, caplog):
     config = train_gpt.GPTConfig(width=32, heads=2, layers=6, seq_len=16, vocab=64)
     # Gradients count in the step's peak too: this model reaches about 66% of it at best.
     setting = train_gpt.ckptwrap.config.from_config({"policy": "budget:80%"})
     torch.manual_seed(0)
     trainer = train_gpt.Trainer("budget:80%", train_gpt.GPT(config), setting)
     tokens, targets = train_gpt.synthetic_batch(config, 2, seed=0)
-    with pytest.warns(UserWarning, match="measured GPT on its first training forward"):
+    with caplog.at_level(logging.INFO, logger="ckptwrap"):
         trainer.step(tokens, targets, seed=0, measure=True)  # the plan is applied here
+    assert "ckptwrap applied 'budget:80%' for GPT's inputs" in caplog.text
     checkpointed = [name for name, m in trainer.model.named_modules() if "forward" in m.__dict__]
     assert 0 < len(checkpointed) < config.layers  # the budget leaves some blocks alone
     assert trainer.result.wrapped == len(checkpointed)

@@ -87,18 +87,20 @@ def _calls(model: nn.Module, names: List[str], args: Tuple[Any, ...]) -> Dict[st
 
 
 def _alone(module: nn.Module, call_args: Tuple, model_inputs: set, state: set) -> Tuple[int, int, int]:
-    """Kept bytes, input bytes and FLOPs of the module run alone on detached inputs."""
-    inputs = []
+    """Kept bytes, input bytes and FLOPs of the module run alone on detached inputs; the
+    model's own inputs, alive before the step, are no input bytes."""
+    inputs, input_bytes = [], 0
     for arg in call_args:
         is_model_input = arg.untyped_storage()._cdata in model_inputs
         needs_grad = arg.is_floating_point() and not is_model_input
         inputs.append(arg.detach().requires_grad_(needs_grad))
+        input_bytes += 0 if is_model_input else arg.nbytes
     with _SavedCounter(state | model_inputs | _keys(inputs)) as counter:
         output = module(*inputs)
     del output
     with FlopCounterMode(display=False) as flops:
         module(*inputs)
-    return counter.bytes, sum(t.nbytes for t in inputs), flops.get_total_flops()
+    return counter.bytes, input_bytes, flops.get_total_flops()
 
 
 def _check_against_alone(
@@ -231,8 +233,8 @@ def test_mlp_costs_match_each_layer_run_alone() -> None:
     profile = profile_modules(model, names, (x,))
     assert [cost.name for cost in profile.modules] == names
     _check_against_alone(model, names, (x,), profile)
-    # The first layer's input is the model's input, which does not need grad.
-    assert profile["0"].input_bytes == x.nbytes
+    # The first layer's input is the model's input, there before the step: no input bytes.
+    assert profile["0"].input_bytes == 0 and profile["1"].input_bytes == x.nbytes
     # Each layer keeps its ReLU output; the head keeps only its input, which is not its own.
     assert profile["1"].kept_bytes > 0 and profile["4"].kept_bytes == 0
 
@@ -408,8 +410,8 @@ def test_kwargs_and_nested_inputs_are_measured() -> None:
 
     model, x, scale = Model(), torch.randn(3, 8), torch.randn(3, 8)
     profile = profile_modules(model, ["gate"], (x,), {"scale": scale})
-    # Inputs: h, h * 2 and the model's own scale, each a fresh storage.
-    assert profile["gate"].input_bytes == 3 * x.nbytes
+    # Inputs: h and h * 2, each a fresh storage; the model's own scale was there before.
+    assert profile["gate"].input_bytes == 2 * x.nbytes
     with _SavedCounter(_state_keys(model) | _keys([x, scale])) as counter:
         model(x, scale=scale)
     assert profile.total_activation_bytes == counter.bytes

@@ -45,7 +45,8 @@ class Oracle:
     candidate's backward holds its ``before`` (``base`` if None), what the candidates
     before it hold, its ``kept`` and ``grads``; a checkpointed one's, on the same, the
     larger of its recomputation (the option's ``inputs`` and ``rebuilt`` and its
-    ``recompute_grads``) and its backward (its own ``inputs``, ``kept`` and ``grads``).
+    ``recompute_grads``) and its backward (its own ``inputs``, what one call keeps,
+    ``call_kept``, and ``grads``).
     """
 
     def __init__(self, items: Sequence[CostItem], base: int, tail: int) -> None:
@@ -60,7 +61,7 @@ class Oracle:
             ways += [(o.inputs, o.rebuilt, o.time) for o in item.options]
             held = [item.kept] + [inputs for inputs, _, _ in ways]
             moment = [item.kept + item.grads] + [
-                max(inputs + rebuilt + item.recompute_grads, item.inputs + item.kept + item.grads)
+                max(inputs + rebuilt + item.recompute_grads, item.inputs + item.call_kept + item.grads)
                 for inputs, rebuilt, _ in ways
             ]
             times = [0.0] + [time for _, _, time in ways]
@@ -117,6 +118,8 @@ def option_instance(rng: random.Random, n: int, unit: int) -> Tuple[List[CostIte
                 options=options,
                 grads=rng.choice([0, rng.randint(0, 80) * unit]),
                 recompute_grads=rng.choice([0, rng.randint(0, 40) * unit]),
+                # A candidate called several times: one call keeps a share of ``kept``.
+                call_kept=rng.choice([None, rng.randint(0, kept) * unit]),
             )
         )
     return items, base, rng.choice([0, rng.randint(0, 30) * unit])
@@ -404,6 +407,7 @@ def test_plans_on_a_coarse_axis_fit_and_report_their_options():
             dataclasses.replace(
                 item,
                 kept=item.kept * 7919 + rng.randrange(7919),
+                call_kept=None,
                 options=tuple(dataclasses.replace(o, inputs=o.inputs * 7919 + rng.randrange(97)) for o in item.options),
             )
             for item in items

@@ -98,10 +98,11 @@ def test_a_percent_budget_below_reach_is_stated_in_percent_and_bytes():
     budget = resolve_budget(Budget("10%"), reference)
     share = 100 * lowest / reference
     match = (
-        rf"budget 10% of the un-checkpointed step's peak \(62\.0 MiB \({reference} "
-        rf"bytes\)\), that is 6\.2 MiB \({int(0.1 * reference)} bytes\), is below the smallest "
-        rf"reachable peak 17\.0 MiB \({lowest} bytes\), {share:.2f}% of the un-checkpointed step's "
-        rf"peak, reached by checkpointing 5 of 6 candidates .*; raise the "
+        rf"budget 10% of the un-checkpointed step's peak at the largest shape planned so far "
+        rf"\(62\.0 MiB \({reference} bytes\)\), that is 6\.2 MiB \({int(0.1 * reference)} bytes\), "
+        rf"is below the smallest reachable peak 17\.0 MiB \({lowest} bytes\), {share:.2f}% of the "
+        rf"un-checkpointed step's peak at the largest shape planned so far, reached by "
+        rf"checkpointing 5 of 6 candidates .*; raise the "
         rf"budget to at least budget:27\.5%"
     )
     with pytest.raises(CheckpointConfigError, match=match):

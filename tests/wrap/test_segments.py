@@ -20,10 +20,9 @@ from torch import nn
 import ckptwrap
 from ckptwrap import plan, unwrap_model, wrap_model
 from ckptwrap._errors import CheckpointConfigError
-from ckptwrap.planner import ModelProfile
+from ckptwrap.planner import profile_modules, region_bytes, step_items
 from ckptwrap.planner._solver import predicted_peak, solve_budget
-from ckptwrap.planner import _costs
-from ckptwrap.planner._costs import forward_items
+from ckptwrap.planner import _items
 from ckptwrap.wrap._model import _apply
 from ckptwrap.engine._options import CheckpointOptions
 from ckptwrap.planner._plan import Plan, PlanEntry
@@ -203,24 +202,22 @@ def test_the_plan_table_marks_segment_members():
 
 def _constant_times(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every candidate takes the same time, so plans depend on bytes alone."""
-    profile_modules = _costs.profile_modules
+    cost_item = _items.cost_item
 
-    def profile(*args, **kwargs) -> ModelProfile:
-        found = profile_modules(*args, **kwargs)
-        return dataclasses.replace(
-            found,
-            modules=tuple(dataclasses.replace(cost, forward_time=1e-3) for cost in found.modules),
-        )
+    def item(*args, **kwargs):
+        return dataclasses.replace(cost_item(*args, **kwargs), time=1e-3)
 
-    monkeypatch.setattr(_costs, "profile_modules", profile)
+    monkeypatch.setattr(_items, "cost_item", item)
 
 
 def _step_items(model: nn.Module, example: Tuple[torch.Tensor, ...], *, segments: bool):
     """The planner's whole-block items over the blocks, with the training step's terms,
     and the base and tail of its peak model."""
     names = [f"h.{i}" for i in range(len(model.h))]
-    profile = _costs.profile_modules(model, names, example, repeats=0, step=True)
-    ordered, tail = with_step_terms(forward_items(profile, names, segments=segments), profile)
+    profile = profile_modules(model, names, example, repeats=0, step=True)
+    ordered, _, tail = step_items(
+        profile, names, segments=segments, region_bytes=region_bytes(model, example, {})
+    )
     return [item for _, item in ordered], profile.base_bytes, tail
 
 
