@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
 import weakref
 from typing import Any, Dict, Iterator, List, Set
@@ -158,8 +159,8 @@ class StorageCounter(TorchDispatchMode):
     """Counts the bytes of storages that operators create, from creation until freed.
 
     Each storage is keyed by the address of its C++ object (``_cdata``). Its Python
-    object is kept by torch for as long as the C++ storage lives, so a ``weakref.finalize``
-    on it fires exactly when the memory is released, and never keeps it alive.
+    object is kept by torch for as long as the C++ storage lives, so a weak reference to
+    it calls back exactly when the memory is released, and never keeps it alive.
 
     Args:
         device_type: The device whose storages count (``"cpu"``, ``"cuda"``...).
@@ -178,9 +179,10 @@ class StorageCounter(TorchDispatchMode):
         self._trace = trace
         self.moments: List[int] = []
         self.created_bytes = 0
-        # Storages counted and still alive: key -> bytes counted for it.
+        # Storages counted and still alive: key -> bytes counted for it, and the weak
+        # reference whose callback reports its release (dropping it cancels the callback).
         self._sizes: Dict[int, int] = {}
-        self._finalizers: Dict[int, weakref.finalize] = {}
+        self._refs: Dict[int, weakref.ref] = {}
         # Finalizers only append here: they can fire in the middle of our own
         # bookkeeping (a garbage collection) or on another thread, and a list append is
         # atomic, whereas updating the running total from there could be lost.
@@ -201,9 +203,7 @@ class StorageCounter(TorchDispatchMode):
         # Storages that outlive the block must not call back into a finished count, and
         # detaching now lets this object be freed before they are.
         self._closed = True
-        for finalizer in list(self._finalizers.values()):
-            finalizer.detach()
-        self._finalizers.clear()
+        self._refs.clear()
         self._sizes.clear()
         return super().__exit__(exc_type, exc_value, traceback)
 
@@ -217,7 +217,7 @@ class StorageCounter(TorchDispatchMode):
 
     def _count_outputs(self, out: Any, args: Any, kwargs: Any) -> None:
         input_keys: Set[int] | None = None
-        for leaf in tree_leaves(out):
+        for leaf in (out,) if isinstance(out, torch.Tensor) else tree_leaves(out):
             storage = self._storage_of(leaf)
             if storage is None:
                 continue
@@ -242,9 +242,7 @@ class StorageCounter(TorchDispatchMode):
                 if key in self._sizes:
                     continue
                 self._sizes[key] = nbytes
-                finalizer = weakref.finalize(storage, self._release, key)
-                finalizer.atexit = False
-                self._finalizers[key] = finalizer
+                self._refs[key] = weakref.ref(storage, functools.partial(self._release, key))
                 self._add(nbytes)
 
     def _add(self, nbytes: int) -> None:
@@ -256,9 +254,9 @@ class StorageCounter(TorchDispatchMode):
         if self._live > self.peak_bytes:
             self.peak_bytes = self._live
 
-    def _release(self, key: int) -> None:
-        """Finalizer of a counted storage: report its bytes as freed."""
-        self._finalizers.pop(key, None)
+    def _release(self, key: int, _ref: Any = None) -> None:
+        """Called back when a counted storage is released: report its bytes as freed."""
+        self._refs.pop(key, None)
         nbytes = self._sizes.pop(key, None)
         if nbytes is not None:
             self._freed.append(nbytes)

@@ -12,11 +12,13 @@ profiler (``profile_modules``), the peak model and solver (``CostItem``,
 from ._choose import Choice, step_items
 from ._cost_model import CostItem, CostOption, format_bytes, predicted_peak
 from ._inputs import InputLayout, as_example, read_layout
-from ._items import forward_items, forward_levels
+from ._items import forward_items, forward_levels, with_step_terms
 from ._ops import OpCost, packet_name
 from ._plan import Plan, PlanEntry
-from ._planner import PlanSettings, ShapePlanner, is_measuring, region_bytes, resolve_budget
-from ._profile import ModelProfile, ModuleCost, profile_modules
+from ._measuring import PlanSettings, is_measuring, region_bytes
+from ._planner import ShapePlanner, resolve_budget
+from ._costs import ModelProfile, ModuleCost
+from ._profile import profile_modules
 from ._solver import (
     BudgetSolution,
     PercentBudget,
@@ -26,7 +28,6 @@ from ._solver import (
     solve_budget,
 )
 from ._step import StepPeaks
-from ._step_terms import with_step_terms
 
 __all__ = [
     "BudgetSolution",

@@ -10,12 +10,11 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 from .._errors import CheckpointConfigError
 from ._cost_model import CostItem
-from ._items import forward_items, forward_levels, saving
+from ._items import forward_levels, saving, with_step_terms
 from ._levels import Level
 from ._plan import PlanEntry
-from ._profile import ModelProfile
+from ._costs import ModelProfile
 from ._solver import BudgetSolution, lowest_plan, predicted_peak, solve_budget
-from ._step_terms import with_step_terms
 
 __all__ = ["Choice", "choose", "plain_peak", "step_items"]
 

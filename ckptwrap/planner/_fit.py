@@ -22,11 +22,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import statistics
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from ._ops import OpCost
 from ._profile import ModelProfile, ModuleCost
 from ._step import END, StepPeaks
 
@@ -223,6 +223,15 @@ class CostFit:
             work, seconds = max(seen)
             rate = max(0.0, (seconds - overhead) / work) if work > 0 else 0.0
             timings[cost.name] = _Timing(overhead, rate)
+        if timings:
+            # A candidate never recomputed in the step (one nested in another) is timed as
+            # the others are, by its own work.
+            typical = _Timing(
+                statistics.median(t.overhead for t in timings.values()),
+                statistics.median(t.rate for t in timings.values()),
+            )
+            for cost in self.template.modules:
+                timings.setdefault(cost.name, dataclasses.replace(typical))
         return timings
 
     def _module(self, cost: ModuleCost, ints: Mapping[str, int], peaks: Mapping[str, float], sizes: Sizes) -> ModuleCost:

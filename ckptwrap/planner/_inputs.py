@@ -126,8 +126,6 @@ class InputLayout:
                     sizes[index] = int(size)
                 elif sizes[index] != size:
                     return None
-        if any(size == 1 for size, v in zip(sizes, self.variables) if v.name == "batch"):
-            return None  # a batch of one takes other code paths: a layout of its own
         return tuple(int(size) for size in sizes)  # type: ignore[arg-type]
 
     def resized(
@@ -205,6 +203,11 @@ class InputLayout:
                 if dim < 0:
                     sizes[-1 - dim] = max(sizes[-1 - dim], int(size))
         return tuple(sizes)
+
+    def single(self, sizes: Sequence[int]) -> bool:
+        """Whether ``sizes`` give the batch one row: kernels then run other operators (a
+        product without its batch dimension), so operators are not named as at others."""
+        return any(size == 1 for size, v in zip(sizes, self.variables) if v.name == "batch")
 
     def describe(self, sizes: Optional[Sequence[int]] = None) -> str:
         """``batch 8, length 256``: the variables at ``sizes`` (their own by default)."""

@@ -1,5 +1,6 @@
 """From a profile to the solver's items: what checkpointing each measured candidate
-frees, holds and costs, in the order the forward calls them, with its selective levels.
+frees, holds and costs, in the order the forward calls them, with its selective levels
+and the terms of the profile's measured step.
 """
 
 from __future__ import annotations
@@ -9,9 +10,10 @@ from typing import Any, List, Sequence, Tuple
 
 from ._cost_model import CostItem
 from ._levels import Level, pooled_levels
-from ._profile import ModelProfile
+from ._moments import step_terms
+from ._costs import ModelProfile
 
-__all__ = ["cost_item", "forward_items", "forward_levels", "saving"]
+__all__ = ["cost_item", "forward_items", "forward_levels", "saving", "with_step_terms"]
 
 
 def cost_item(cost: Any, *, segments: bool = False, region_bytes: int = 0) -> CostItem:
@@ -106,3 +108,26 @@ def forward_levels(
     ]
 
 
+def with_step_terms(
+    ordered: Sequence[Tuple[str, CostItem]], profile: ModelProfile
+) -> Tuple[List[Tuple[str, CostItem]], int]:
+    """``ordered`` (the solver's items in forward order) with ``forward``, ``grads`` and
+    ``recompute_grads`` from the profile's measured step (see ``_moments.step_terms``),
+    and the solver's ``tail``.
+
+    Without a measured step the items are returned as they are and the tail is 0: the
+    model then predicts the activation peak only.
+    """
+    step = profile.step
+    if step is None:
+        return list(ordered), 0
+    index = {name: i for i, (name, _) in enumerate(ordered)}
+
+    def by_index(table: Any) -> Any:
+        return {index[name]: value for name, value in table.items() if name in index}
+
+    changes, tail = step_terms(
+        [item for _, item in ordered], profile.base_bytes,
+        by_index(step.forward), by_index(step.recompute), by_index(step.backward), step.end,
+    )
+    return [(name, dataclasses.replace(item, **change)) for (name, item), change in zip(ordered, changes)], tail

@@ -1,6 +1,11 @@
 """The moments of the peak model: what is alive at each point of the training step that
 can set its peak, for one plan. ``_cost_model`` documents them (``predicted_peak``); the
 dynamic program in ``_search`` prices its steps with the same functions.
+
+The step's own terms (``forward``, ``recompute_grads``, ``grads`` and the tail) come from
+one measured step with every candidate checkpointed: each is what a phase of it reached
+beyond the activation part of the very moment that predicts that phase
+(:func:`step_terms`), so measurement and prediction share their algebra here.
 """
 
 from __future__ import annotations
@@ -8,7 +13,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
-__all__: List[str] = []
+__all__ = ["step_terms"]
 
 # The items are ``_cost_model.CostItem`` s, which imports this module: named loosely here
 # so that the two import one way.
@@ -50,12 +55,28 @@ def _plain_forward(item: CostItem) -> int:
     return max(item.rebuilt, item.forward) if item.forward else 0  # type: ignore[type-var]
 
 
+def _alone_parts(item: CostItem, option: int) -> Tuple[int, int, int]:
+    """The activation part of a candidate checkpointed alone, above ``carried``: at its
+    recomputation (what its checkpoint keeps and what it rebuilds), at its backward (its
+    checkpoint's inputs and one call's rebuilt graph) and at its forward (beyond
+    ``forward``, what the option saves as it goes, less one call's inputs, which
+    ``forward`` holds)."""
+    inputs, rebuilt = _choice(item, option)
+    return (
+        inputs + rebuilt,  # type: ignore[operator]
+        item.inputs - item.saved + item.call_kept,
+        inputs - item.call_inputs,
+    )
+
+
 def _alone_moment(item: CostItem, option: int) -> int:
     """A candidate checkpointed alone: its forward, its recomputation, then its backward."""
-    inputs, rebuilt = _choice(item, option)
-    backward = item.inputs - item.saved + item.call_kept + item.grads
-    forward = item.forward + inputs - item.call_inputs if item.forward else 0
-    return _carried(item) + max(inputs + rebuilt + item.recompute_grads, backward, forward)
+    recompute, backward, forward = _alone_parts(item, option)
+    return _carried(item) + max(
+        recompute + item.recompute_grads,
+        backward + item.grads,
+        item.forward + forward if item.forward else 0,
+    )
 
 
 def _segment_moment(items: Sequence[CostItem], group: Group) -> int:
@@ -110,3 +131,39 @@ def _moments(
         moments.append(ahead + held + region)
         held += _held(item, option)
     return moments, where, base - (joined[-1] if joined else 0) + held + tail
+
+
+def step_terms(
+    items: Sequence[CostItem],
+    base: int,
+    forward: Mapping[int, int],
+    recompute: Mapping[int, int],
+    backward: Mapping[int, int],
+    end: int,
+) -> Tuple[List[Dict[str, int]], int]:
+    """The step's terms of each item, from one step measured with every item
+    checkpointed alone in full: per item index, the peaks of its forward, recomputation
+    and backward phases (missing if not measured), and that of the end of the forward.
+
+    Returns the terms per item, by field (``forward``, ``recompute_grads``, ``grads``;
+    those its phases give), and the tail. Each term is its phase's peak less the rest of the moment that
+    predicts the phase (:func:`_alone_moment` at option 0, and the end of the forward)
+    with what the items before it held in that step; never negative.
+    """
+    changes: List[Dict[str, int]] = []
+    held = joined = 0
+    for index, item in enumerate(items):
+        carried = _carried(item)
+        joined += carried
+        found: Dict[str, int] = {}
+        if item.before is not None:
+            ahead = item.before - joined + held + carried
+            recompute_part, backward_part, forward_part = _alone_parts(item, 0)
+            if index in forward:
+                found["forward"] = max(0, forward[index] - ahead - forward_part)
+            if index in recompute and index in backward:
+                found["recompute_grads"] = max(0, recompute[index] - ahead - recompute_part)
+                found["grads"] = max(0, backward[index] - ahead - backward_part)
+        changes.append(found)
+        held += carried + item.inputs
+    return changes, max(0, end - (base - joined + held))

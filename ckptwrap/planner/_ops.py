@@ -100,6 +100,8 @@ class OpRecorder(_Counted):
         # for those the module was given).
         self._seen: StorageMap[Optional[List[Any]]] = StorageMap()
         self._ops: List[List[Any]] = []  # [name, occurrence, bytes, saved, flops, mutated]
+        self.flops = 0
+        """FLOPs of the operators recorded, as ``FlopCounterMode`` counts them."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
         kwargs = kwargs or {}
@@ -116,6 +118,7 @@ class OpRecorder(_Counted):
                 if owner is not None:
                     owner[5] = True
         entry = [name, occurrence, 0, False, _flops(func, out, args, kwargs), False]
+        self.flops += entry[4]
         for tensor in tensors(out):
             for storage in tensor_storages(tensor):
                 if storage in self._seen:

@@ -21,92 +21,27 @@ inputs).
 from __future__ import annotations
 
 import collections
-import contextlib
-import math
-import contextvars
 import dataclasses
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
+import pickle
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
-import torch
 from torch import nn
 
 from .._errors import CheckpointConfigError
-from .._warn import note, warn
-from ..measure import tensors
+from .._warn import warn
 from ..policy import Budget
-from ._choose import Choice, choose, plain_peak
-from ._fit import CostFit, ShapesDiffer
-from ._inputs import InputLayout, read_layout
-from ._profile import ModelProfile, measure_training_step, profile_modules
+from ._choose import Choice, choose, plain_peak, step_items
+from ._costs import ModelProfile
+from ._inputs import read_layout
+from ._measuring import LayoutCosts, Measurer, PlanSettings, region_bytes
 from ._solver import PercentBudget, smallest_reachable_peak
-from ._step import StepPeaks
-from ._items import forward_items
-from ._step_terms import with_step_terms
 
-__all__ = ["PlanSettings", "ShapePlanner", "is_measuring", "region_bytes", "resolve_budget"]
-
-_MEASURING: contextvars.ContextVar[bool] = contextvars.ContextVar("ckptwrap_measuring", default=False)
-
-
-def is_measuring() -> bool:
-    """Whether the model runs to be measured for a plan: a forward hook that plans must
-    then leave it alone (the forward is not a training forward of the caller's)."""
-    return _MEASURING.get()
-
+__all__ = ["ShapePlanner", "resolve_budget"]
 
 Sizes = Tuple[int, ...]
 
 _CACHED = 64
 """Plans kept per planner, the most recently used."""
-_CHECK_TOLERANCE = 0.03
-"""How far (a share of the step's peak) a fitted phase peak may lie from the measured one
-on the shape planned for before the fit is no longer trusted at shapes not measured."""
-
-
-@dataclasses.dataclass(frozen=True)
-class PlanSettings:
-    """What a measured plan is made of, besides the model and its inputs."""
-
-    candidates: Tuple[Tuple[str, str], ...]
-    """``(qualified name, class name)`` of each candidate, in model order."""
-    budget: Optional[Budget] = None
-    """The budget term; None predicts the plan that checkpoints every candidate."""
-    save_policy: Optional[Callable[..., Any]] = None
-    """The selective tier's policy, if candidates are checkpointed selectively."""
-    segments: bool = False
-    """Whether consecutive candidates may share one region."""
-    levels: bool = False
-    """Whether a candidate may be checkpointed at a selective level."""
-    recompute: bool = True
-    """Whether the candidates are recomputed (the plain tier), for the entries' labels."""
-    preserve_rng_state: bool = True
-    """The engine option: on the CPU each region keeps the generator's state."""
-    loss_fn: Optional[Callable[[Any], Any]] = None
-    """How a training step turns the output into the loss (see ``plan``)."""
-
-    @property
-    def names(self) -> List[str]:
-        return [name for name, _ in self.candidates]
-
-
-class _LayoutCosts:
-    """What the planner knows of one input layout's costs."""
-
-    def __init__(self, layout: InputLayout) -> None:
-        self.layout = layout
-        self.fit: Optional[CostFit] = None
-        self.profiles: Dict[Sizes, ModelProfile] = {}  # profiled directly at these sizes
-        self.steps: Dict[Sizes, StepPeaks] = {}  # steps measured at these sizes
-        self.follows = False  # whether the fit stands for sizes not measured
-
-    def profile_at(self, sizes: Sizes) -> Optional[ModelProfile]:
-        """The profile at ``sizes`` if known without measuring."""
-        known = self.profiles.get(sizes)
-        if known is not None:
-            return known
-        if self.fit is None or not (self.follows or sizes in self.steps):
-            return None
-        return self.fit.profile_at(sizes, self.steps.get(sizes))
 
 
 class ShapePlanner:
@@ -134,31 +69,32 @@ class ShapePlanner:
     ) -> None:
         self.settings = settings
         self.max_shapes = max_shapes
-        self.agree = agree
         self.reference = 0
         """The largest un-checkpointed peak planned for or declared so far."""
-        self._layouts: List[_LayoutCosts] = []
+        self._measurer = Measurer(settings, agree)
+        self._layouts: List[LayoutCosts] = []
         self._plans: "collections.OrderedDict[Tuple[int, Sizes, Optional[int]], Choice]" = (
             collections.OrderedDict()
         )
         self._said: set = set()
-        self.measurements = 0
+
+    @property
+    def measurements(self) -> int:
         """How many times the model ran to be measured (every layout, every shape)."""
-        self._around: Optional[Callable[[], ContextManager[Any]]] = None
-        self._region: Optional[int] = None
+        return self._measurer.measurements
 
     def __getstate__(self) -> Dict[str, Any]:
         # A loss function or an agreement closure often cannot pickle: left out, the
         # plans made after unpickling use the default loss and agree with no other rank.
         state = dict(self.__dict__)
-        state["agree"] = state["_around"] = None
         state["_plans"] = collections.OrderedDict()
+        settings = self.settings
         try:
-            import pickle
-
-            pickle.dumps(self.settings.loss_fn)
+            pickle.dumps(settings.loss_fn)
         except Exception:  # noqa: BLE001 - whatever stops it pickling, leave it out
-            state["settings"] = dataclasses.replace(self.settings, loss_fn=None)
+            settings = dataclasses.replace(settings, loss_fn=None)
+        state["settings"] = settings
+        state["_measurer"] = Measurer(settings)
         return state
 
     # ------------------------------------------------------------------ planning
@@ -180,7 +116,7 @@ class ShapePlanner:
             CheckpointConfigError: With ``strict``, when no plan fits the budget at these
                 shapes (or at the declared largest ones).
         """
-        self._around = around
+        self._measurer.around = around
         try:
             index, sizes = self._find(args, kwargs)
             if index is None:
@@ -188,9 +124,9 @@ class ShapePlanner:
             costs = self._layouts[index]
             profile = costs.profile_at(sizes)
             if profile is None:
-                profile = self._measure_shape(model, costs, sizes, args, kwargs)
+                profile = self._measurer.shape(model, costs, sizes, args, kwargs)
         finally:
-            self._around = None
+            self._measurer.around = None
         region = region_bytes(model, args, kwargs, self.settings.preserve_rng_state)
         plain = plain_peak(profile, self.settings.names, region_bytes=region)
         budget = self._budget(plain)
@@ -200,11 +136,13 @@ class ShapePlanner:
             self._plans.move_to_end(key)
             return found
         settings = self.settings
+        # A batch of one names its operators otherwise than the samples did: whole modules.
+        levels = settings.levels and not costs.layout.single(sizes)
         try:
             choice = choose(
                 profile, settings.candidates, budget,
                 describe=settings.budget.describe() if settings.budget is not None else "the budget",
-                segments=settings.segments, levels=settings.levels, recompute=settings.recompute,
+                segments=settings.segments, levels=levels, recompute=settings.recompute,
                 region_bytes=region, strict=strict,
             )
         except CheckpointConfigError as error:
@@ -228,7 +166,7 @@ class ShapePlanner:
         """Take ``profile``, measured directly on these inputs (with a step), as their
         costs instead of measuring them."""
         layout = read_layout(args, kwargs)
-        costs = _LayoutCosts(layout)
+        costs = LayoutCosts(layout)
         costs.profiles[layout.sizes] = profile
         self._layouts.append(costs)
 
@@ -258,174 +196,29 @@ class ShapePlanner:
     # ------------------------------------------------------------------ measuring
 
     def _measure(self, model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], *, strict: bool) -> Tuple[int, Sizes]:
-        """Measure the costs of a new layout; its index and these inputs' sizes.
-
-        In a process group every rank measures at the same shapes (the lowest rank's, its
-        own inputs cut or repeated to them) and takes each decision the lowest rank takes
-        (whether the costs could be fitted, whether the fit holds), so that every rank runs
-        the model as many times: an FSDP2 model's runs are collectives.
-        """
-        layout = read_layout(args, kwargs)
-        costs = _LayoutCosts(layout)
-        sizes = layout.sizes
-        at = self._agreed(sizes)
-        if len(at) == len(sizes) and at != sizes:
-            args, kwargs = layout.resized(args, kwargs, at)
-            sizes = at
-        first = not self._layouts
-        samples = layout.samples_at(sizes)
-        why = None
-        if samples is None:
-            why = "its inputs have no batch or length to profile smaller"
-        else:
-            try:
-                costs.fit = self._fit(model, layout, samples, args, kwargs)
-            except ShapesDiffer as error:
-                why = f"its costs do not follow its shapes ({error})"
-            costs.fit = self._agreed(costs.fit)
-        if costs.fit is None:
-            costs.profiles[sizes] = self._profile(model, args, kwargs, repeats=1)
-            note(
-                f"ckptwrap profiled {type(model).__name__} at inputs of {layout.describe(sizes)} "
-                f"directly: {why or 'so did the lowest rank'}; each new shape of these inputs is "
-                f"profiled likewise."
-            )
-        else:
-            self._check(model, costs, sizes, args, kwargs)
-            # Every rank plans from the same costs (their times differ by noise).
-            costs.fit, costs.follows = self._agreed((costs.fit, costs.follows))
-        self._layouts.append(costs)
-        self._region = region_bytes(model, args, kwargs, self.settings.preserve_rng_state)
-        if first and self.max_shapes:
-            self._declare(model, len(self._layouts) - 1, strict=strict)
-        return len(self._layouts) - 1, layout.sizes
-
-    def _agreed(self, value: Any) -> Any:
-        """``value`` as the lowest rank of the process group has it (itself outside one)."""
-        return value if self.agree is None else self.agree(value)
-
-    def _fit(
-        self, model: nn.Module, layout: InputLayout, samples: Sequence[Sizes], args: Tuple[Any, ...], kwargs: Dict[str, Any]
-    ) -> CostFit:
-        profiles = []
-        for number, sizes in enumerate(samples):
-            small_args, small_kwargs = layout.resized(args, kwargs, sizes)
-            try:
-                profile = self._profile(
-                    model, small_args, small_kwargs, repeats=1 if number == 0 else 0, tolerant=True
-                )
-            except (RuntimeError, ValueError, IndexError, TypeError) as error:
-                raise ShapesDiffer(
-                    f"its forward failed at {layout.describe(sizes)}: {type(error).__name__}"
-                ) from error
-            profiles.append((sizes, profile))
-        return CostFit(layout.names, profiles)
-
-    def _check(self, model: nn.Module, costs: _LayoutCosts, sizes: Sizes, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
-        """Check the fit on the shape planned for, with one step measured there (every
-        candidate checkpointed), if that step is predicted to stay within the budget."""
-        assert costs.fit is not None
-        fitted = costs.fit.profile_at(sizes)
-        assert fitted.step is not None
+        """Measure the costs of a new layout; its index and these inputs' sizes."""
         region = region_bytes(model, args, kwargs, self.settings.preserve_rng_state)
-        bound = self._bound(fitted, region)
-        if bound is not None and fitted.step.total > bound:
-            costs.follows = True
-            note(
-                f"ckptwrap fitted {type(model).__name__}'s costs over its input shapes without "
-                f"checking them at {costs.layout.describe(sizes)}: the step that checks them "
-                f"is predicted to exceed the budget there."
-            )
-            return
-        with self._measuring():
-            step = measure_training_step(
-                model, self.settings.names, args, kwargs, loss_fn=self.settings.loss_fn,
-                save_policy=self.settings.save_policy,
-                preserve_rng_state=self.settings.preserve_rng_state,
-            )
-        costs.steps[sizes] = step
-        costs.fit.calibrate(sizes, step)
-        error = costs.fit.step_error(sizes, step)
-        costs.follows = error <= _CHECK_TOLERANCE
-        if not costs.follows:
-            note(
-                f"ckptwrap's fit of {type(model).__name__}'s costs missed the step measured "
-                f"at {costs.layout.describe(sizes)} by {error:.1%} of its peak; every new shape "
-                f"of these inputs gets a step of its own measured before it is planned."
-            )
+        costs = self._measurer.layout(model, args, kwargs, lambda fitted: self._bound(fitted, region))
+        self._layouts.append(costs)
+        if len(self._layouts) == 1 and self.max_shapes:
+            self._declare(model, costs, region, strict=strict)
+        return len(self._layouts) - 1, costs.layout.sizes
 
     def _bound(self, fitted: ModelProfile, region: int) -> Optional[int]:
         """The most a measurement at these costs' shape may hold: the budget there, or the
         least any plan reaches when that is more; None without a budget."""
         if self.settings.budget is None:
             return None
-        budget = self._budget(plain_peak(fitted, self.settings.names, region_bytes=region), planned=False)
-        assert budget is not None
-        ordered, tail = with_step_terms(
-            forward_items(fitted, self.settings.names, segments=self.settings.segments, region_bytes=region),
-            fitted,
-        )
+        names = self.settings.names
+        budget = self._budget(plain_peak(fitted, names, region_bytes=region), planned=False)
+        ordered, _, tail = step_items(fitted, names, segments=self.settings.segments, region_bytes=region)
         lowest = smallest_reachable_peak([item for _, item in ordered], base=fitted.base_bytes, tail=tail)
-        return max(int(budget), lowest)
+        return max(int(budget), lowest)  # type: ignore[arg-type]
 
-    def _measure_shape(
-        self, model: nn.Module, costs: _LayoutCosts, sizes: Sizes, args: Tuple[Any, ...], kwargs: Dict[str, Any]
-    ) -> ModelProfile:
-        """The profile at sizes the layout's costs do not stand for: its step measured, on
-        the fit's other terms, or, without a fit, a profile of its own.
-
-        In a process group nothing is measured (ranks meet new shapes at other steps, and
-        an FSDP2 model's runs are collectives): the fit stands for the shape, or, without
-        one, the profile measured at the shape closest in size."""
-        if self.agree is not None:
-            if costs.fit is not None:
-                return costs.fit.profile_at(sizes)
-            nearest = min(costs.profiles, key=lambda known: abs(math.prod(known) - math.prod(sizes)))
-            return costs.profiles[nearest]
-        if costs.fit is None:
-            profile = self._profile(model, args, kwargs, repeats=0)
-            costs.profiles[sizes] = profile
-            return profile
-        with self._measuring():
-            costs.steps[sizes] = measure_training_step(
-                model, self.settings.names, args, kwargs, loss_fn=_tolerant(self.settings.loss_fn),
-                save_policy=self.settings.save_policy,
-                preserve_rng_state=self.settings.preserve_rng_state,
-            )
-        return costs.fit.profile_at(sizes, costs.steps[sizes])
-
-    def _profile(
-        self, model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], *, repeats: int,
-        tolerant: bool = False,
-    ) -> ModelProfile:
-        """A direct profile; ``tolerant`` (a shape the caller did not give) backpropagates
-        from the default loss if the given loss function fails on it."""
-        settings = self.settings
-        with torch.random.fork_rng(devices=[]), self._measuring():
-            return profile_modules(
-                model, settings.names, args, kwargs, repeats=repeats, progress=False,
-                save_policy=settings.save_policy, step=True,
-                loss_fn=_tolerant(settings.loss_fn) if tolerant else settings.loss_fn,
-                preserve_rng_state=settings.preserve_rng_state,
-            )
-
-    @contextlib.contextmanager
-    def _measuring(self) -> Iterator[None]:
-        """While the model runs to be measured: hooks that plan leave it alone, and the
-        caller's ``around`` context holds."""
-        self.measurements += 1
-        token = _MEASURING.set(True)
-        try:
-            with (self._around() if self._around is not None else contextlib.nullcontext()):
-                yield
-        finally:
-            _MEASURING.reset(token)
-
-    def _declare(self, model: nn.Module, index: int, *, strict: bool) -> None:
+    def _declare(self, model: nn.Module, costs: LayoutCosts, region: int, *, strict: bool) -> None:
         """Read the declared largest shapes as sizes of the first layout and plan there
         (without measuring), so that a percentage is read against them from the start
         and, with ``strict``, a budget they cannot reach is an error now."""
-        costs = self._layouts[index]
         declared = costs.layout.declared(self.max_shapes or {})
         if declared == costs.layout.sizes:
             return
@@ -436,7 +229,6 @@ class ShapePlanner:
                 f"fitted over its input shapes, so shapes not measured cannot be planned for."
             )
             return
-        region = self._region if self._region is not None else 0
         budget = self._budget(plain_peak(profile, self.settings.names, region_bytes=region))
         if not strict or budget is None:
             return
@@ -463,31 +255,6 @@ def resolve_budget(budget: Budget, reference: int) -> int:
         fraction, reference,
         of="the un-checkpointed step's peak at the largest shape planned so far",
     )
-
-
-def _tolerant(loss_fn: Optional[Callable[[Any], Any]]) -> Optional[Callable[[Any], Any]]:
-    """``loss_fn``, falling back to the default loss (the output as it is) where it fails:
-    a loss function made for the inputs the caller gave may not take other shapes."""
-    if loss_fn is None:
-        return None
-
-    def loss(output: Any) -> Any:
-        try:
-            return loss_fn(output)
-        except Exception:  # noqa: BLE001 - any failure of a loss made for other shapes
-            return output
-
-    return loss
-
-
-def region_bytes(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], preserve_rng_state: bool = True) -> int:
-    """What the engine keeps per checkpointed call besides its inputs, in the memory the
-    budget caps: on the CPU, the generator state it replays (an accelerator's is kept in
-    host memory)."""
-    if not preserve_rng_state:
-        return 0
-    on_cpu = all(t.device.type == "cpu" for t in [*tensors((args, kwargs)), *model.parameters()])
-    return torch.get_rng_state().untyped_storage().nbytes() if on_cpu else 0
 
 
 def _mib(n: int) -> str:

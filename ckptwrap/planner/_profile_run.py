@@ -1,19 +1,18 @@
 """How one profile runs: a memory pass and a timing pass over the model's forward, and the
 forward hooks that measure each candidate call in them.
 
-Storage bookkeeping is in ``_storages``, timing and RNG state in ``_timing``.
+Storage bookkeeping is ``measure``'s, the candidates' records are in ``_records``, timing
+and RNG state in ``_timing``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
-from torch.utils.flop_counter import FlopCounterMode
 
 from .._hf import cache_free_arguments, fresh_caches
 from ..measure import (
@@ -27,65 +26,14 @@ from ..measure import (
     tensor_storages,
     tensors,
 )
-from ._ops import OpCost, OpRecorder, merge_calls, with_times
+from ._ops import OpRecorder, merge_calls, with_times
 from ._progress import ProgressBar
+from ._records import InputLedger, Record, _Frame, _highest
 from ._timing import (
     RngState, device_of, time_forward, time_ops, time_replay, time_unsaved_replay,
 )
 
 __all__ = ["Record", "SavePolicy", "Session"]
-
-_NONE: StorageMap[None] = StorageMap()
-
-
-@dataclasses.dataclass
-class Record:
-    """What the calls of one candidate have added up to so far: the fields of its
-    ``ModuleCost`` (same names, same meaning), and what the passes need besides."""
-
-    name: str
-    module: nn.Module
-    kind: str = ""
-    calls: int = 0
-    kept_bytes: int = 0
-    input_bytes: int = 0
-    output_bytes: int = 0
-    flops: int = 0
-    forward_time: float = 0.0
-    self_saved_input_bytes: int = 0
-    forward_peak_bytes: int = 0
-    forward_moments: Tuple[int, ...] = ()
-    call_kept_bytes: int = 0
-    call_input_bytes: int = 0
-    created_bytes: int = 0
-    handed_over_bytes: int = 0
-    joins_previous: bool = False
-    base_before_bytes: Optional[int] = None
-    position: int = -1
-    first_position: int = -1
-    policy_saved_bytes: int = 0
-    policy_saved_kept_bytes: int = 0
-    selective_overhead: float = 0.0
-    recompute_time: float = 0.0  # with a save policy: the forward replaying the saved outputs
-    ops: Optional[List[OpCost]] = None  # summed over its calls; None when they differ
-    # What the passes need besides.
-    outer_kept: int = 0  # kept bytes of calls not nested in another candidate's: the total
-    joined: Optional["Record"] = None  # the record of the call it continues a chain from
-    depth: int = 0  # > 1 while the module is inside a call of itself
-    timed: int = 0
-    # Per call of the memory pass: which tensor inputs need grad, and the grad mode; the
-    # timing pass runs under no_grad and cannot see either.
-    call_modes: List[Tuple[List[bool], bool]] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass
-class _Frame:
-    """A candidate call in progress during the memory pass."""
-
-    nested: bool
-    grad: bool  # the grad mode the call would have run under
-    out_grads: List[bool]  # per tensor output: whether it requires grad
-    out_kept: List[bool]  # per tensor output: whether the module itself saves it
 
 
 class Session:
@@ -124,12 +72,7 @@ class Session:
         self.start_rng = RngState(self._devices)
         self._base = Tally(self._excluded)
         self._frames: List[_Frame] = []
-        # Per input storage of an outermost call: the first record and call that took it.
-        self._input_owner: StorageMap[Tuple[Record, int]] = StorageMap()
-        # Per record, the input storages its calls took: another call of the same module
-        # taking one again holds it no longer (a mask every call of a shared layer takes).
-        self._counted_by: Dict[int, StorageMap[None]] = {}
-        self._shared: StorageMap[None] = StorageMap()
+        self._inputs = InputLedger(self._excluded, self._base, self.records)
         # True while a measurement runs: candidates called inside it are not calls of their own.
         self._busy = False
         self._seen_in_pass: set = set()
@@ -246,7 +189,6 @@ class Session:
         input_storages = StorageMap.of(run_inputs)
         tally = Tally(self._excluded, inputs=input_storages)
         policy_tally = Tally(self._excluded.union(input_storages))
-        counter = FlopCounterMode(display=False)
         # What a recomputation holds at its highest: saved tensors and temporaries alike.
         meter = StorageCounter(device_of(run_inputs, module).type, trace=True)
         recorder = OpRecorder(tally)
@@ -255,7 +197,7 @@ class Session:
             # The module's forward alone, skipping its hooks (they ran for the real call);
             # the RNG is put back so the real call draws the same numbers.
             with RngState(self._devices).kept(), torch.set_grad_enabled(grad):
-                with saving(tally), counter, policy_watch(self._policy, policy_tally), meter:
+                with saving(tally), policy_watch(self._policy, policy_tally), meter:
                     with recorder:
                         output = module.forward(*run_args, **run_kwargs)
             outputs = tensors(output)
@@ -271,7 +213,7 @@ class Session:
         record.created_bytes += meter.created_bytes
         record.forward_moments = _highest(record.forward_moments, tuple(meter.moments))
         record.outer_kept += 0 if nested else tally.bytes
-        record.flops += counter.get_total_flops()
+        record.flops += recorder.flops
         record.forward_peak_bytes = max(record.forward_peak_bytes, meter.peak_bytes)
         record.policy_saved_bytes += policy_tally.bytes
         record.policy_saved_kept_bytes += policy_tally.shared_bytes(tally)
@@ -286,7 +228,7 @@ class Session:
         # Inputs the module saves stay alive in a real forward, but as no candidate's
         # kept bytes: they belong to the base.
         saved = [t for t, copy in zip(inputs, run_inputs) if tally.input_hits.holds(copy)]
-        self._count_inputs(record, inputs, saved)
+        self._inputs.add(record, inputs, saved, self._calls)
         # Whether the call continues a chain depends on how the forward really called it.
         self._note_join(record, args, kwargs, saved)
         self._base.add_tensors(saved)
@@ -297,48 +239,6 @@ class Session:
         self._calls += 1
         torch.set_grad_enabled(False)
         return None
-
-    def _count_inputs(self, record: Record, inputs: List[torch.Tensor], saved: List[torch.Tensor]) -> None:
-        """Add one outermost call's inputs to its record.
-
-        An input that an earlier outermost call took too (an attention mask, or position
-        embeddings, that every layer takes) is alive through the whole forward and held,
-        after it, by whichever checkpoint or operator keeps it: it is counted once, in the
-        base, from the first call that took it, and in no call's inputs.
-        """
-        saved_here = StorageMap.of(saved)
-        counted = saved_bytes = 0
-        for tensor in inputs:
-            for storage in tensor_storages(tensor):
-                if storage in self._excluded or storage in self._counted_by.get(id(record), _NONE):
-                    continue
-                self._counted_by.setdefault(id(record), StorageMap()).setdefault(storage, None)
-                owner = self._input_owner.get(storage)
-                if owner is None:
-                    self._input_owner[storage] = (record, self._calls)
-                    counted += storage.nbytes()
-                    if storage in saved_here:
-                        saved_bytes += storage.nbytes()
-                    continue
-                self._share(storage, *owner)
-        record.input_bytes += counted
-        record.call_input_bytes = max(record.call_input_bytes, counted)
-        record.self_saved_input_bytes += saved_bytes
-
-    def _share(self, storage: torch.UntypedStorage, first: Record, position: int) -> None:
-        """``storage``, an input of the outermost call at ``position`` (of ``first``), is
-        an input of a later call too: move it from that call's inputs to the base."""
-        if storage in self._shared:
-            return
-        self._shared.setdefault(storage, None)
-        if storage in self._base:
-            return  # saved by that call or before it: counted in the base already
-        nbytes = storage.nbytes()
-        first.input_bytes -= nbytes
-        self._base.add(storage)
-        for record in self.records:
-            if record.base_before_bytes is not None and record.position >= position:
-                record.base_before_bytes += nbytes
 
     def _memory_post(self, module: nn.Module, args: Any, output: Any) -> Any:
         if not self._leave(module):
@@ -485,16 +385,6 @@ class Session:
                 copies.append(copy)
         run_args, run_kwargs = tree_unflatten(leaves, spec)
         return run_args, run_kwargs, copies
-
-
-def _highest(known: Tuple[int, ...], new: Tuple[int, ...]) -> Tuple[int, ...]:
-    """Two calls' moments as one: the higher of each where they line up, else the moments
-    of the call that peaked higher."""
-    if not known:
-        return new
-    if len(known) == len(new):
-        return tuple(max(a, b) for a, b in zip(known, new))
-    return new if max(new, default=0) > max(known, default=0) else known
 
 
 def _as_checkpointed(module: nn.Module, args: Any, kwargs: Any) -> Tuple[Any, Any]:

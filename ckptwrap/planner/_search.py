@@ -15,12 +15,12 @@ import torch
 
 from .._errors import CheckpointConfigError
 from ._cost_model import CostItem, Group, format_bytes
+from ._refine import _Terms
 from ._moments import (
     _alone_moment,
     _before,
     _carried,
     _held,
-    _moments,
     _peak,
     _plain_forward,
     _plain_moment,
@@ -375,36 +375,3 @@ class _Search:
                     options.pop(group[0], None)
                     terms, dropped = _Terms(items, kept, base, tail, options), True
         return kept, options
-
-
-class _Terms:
-    """The moments of a plan, to price turning one region plain in O(its length + log n):
-    that adds the same amount to the end of the forward and to every later moment,
-    removes the region's own moment and adds its members' plain backward moments."""
-
-    def __init__(
-        self,
-        items: Sequence[CostItem],
-        groups: List[Group],
-        base: int,
-        tail: int,
-        options: Dict[int, int],
-    ) -> None:
-        self.items, self.options = items, options
-        joined = list(itertools.accumulate(_carried(item) for item in items))
-        self.ahead = [_before(item, base) - joined[i] for i, item in enumerate(items)]
-        terms, self.where, self.end = _moments(items, groups, base, tail, options)
-        self.before_max = list(itertools.accumulate(terms, max, initial=-1))
-        self.after_max = list(itertools.accumulate(reversed(terms), max, initial=-1))[::-1]
-
-    def peak_without(self, group: Group) -> int:
-        """The peak with ``group``'s members plain instead."""
-        items = self.items
-        k, held = self.where[group]
-        x, own = held, -1
-        for i in group:
-            own = max(own, self.ahead[i] + x + _plain_moment(items[i]))
-            x += _held(items[i], None)
-        growth = x - held - _held(items[group[0]], self.options.get(group[0], 0))
-        later = self.after_max[k + 1]
-        return max(self.end + growth, self.before_max[k], own, later + growth if later >= 0 else -1)

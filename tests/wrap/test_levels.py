@@ -31,7 +31,7 @@ from ckptwrap.planner._ops import OpCost
 from ckptwrap.wrap._model import _apply as apply_plan
 from ckptwrap.wrap._planning import plan_and_profile
 from ckptwrap.wrap._selective import SavedInstances
-from ckptwrap.planner._step_terms import with_step_terms
+from ckptwrap.planner import with_step_terms
 
 from ._models import TinyGPT, assert_same, gpt_batch, gpt_loss, grads, make, marked, markings, step
 

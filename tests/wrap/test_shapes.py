@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.profiler.profiler as profiler_module
 
-import ckptwrap.planner._planner as planner_module
+import ckptwrap.planner._measuring as planner_module
 from ckptwrap.planner._fit import CostFit
 import ckptwrap.wrap._model as wrap_module
 from ckptwrap import plan, unwrap_model, wrap_model
@@ -219,15 +219,18 @@ def test_example_inputs_measure_once_and_wrapping_again_changes_nothing(measured
     _measured_once_at(measured, 256)
 
 
-def test_a_batch_of_one_and_a_larger_batch_are_measured_apart(measured):
+def test_batches_of_every_size_share_one_measurement(measured):
     plain = _gpt()
     model = wrap_model(copy.deepcopy(plain), f"budget:{_percent()}%")
-    _same_step(model, plain, 64, batch=1)
-    _same_step(model, plain, 64, batch=4)  # a batch to vary: measured at batches 2 and 3
-    _same_step(model, plain, 96, batch=6)
-    _same_step(model, plain, 80, batch=1)
+    _same_step(model, plain, 64, batch=4)  # measured at batches 2 and 3
+    for length, batch in ((96, 6), (80, 1), (64, 1), (128, 2)):
+        _same_step(model, plain, length, batch=batch)
+        current = model.ckptwrap_plan
+        assert current.predicted_peak <= current.budget
+        if batch == 1:  # whole modules only: a batch of one runs other operators
+            assert all(entry.option == "recompute" for entry in current.selected)
     steps = [size for kind, size in measured if kind == "step"]
-    assert steps == [64, 64], measured
+    assert steps == [64], measured
 
 
 def test_unwrap_removes_the_shape_hook_and_every_plan(measured):

@@ -1,0 +1,140 @@
+"""What the profiler's passes keep per candidate while they run: its :class:`Record`
+(the fields of its ``ModuleCost``, added up call by call), the frame of a call in
+progress, and the ledger of which storages are the inputs of which outermost calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ..measure import StorageMap, Tally, tensor_storages
+from ._ops import OpCost
+
+__all__ = ["InputLedger", "Record"]
+
+_NONE: StorageMap[None] = StorageMap()
+
+
+@dataclasses.dataclass
+class Record:
+    """What the calls of one candidate have added up to so far: the fields of its
+    ``ModuleCost`` (same names, same meaning), and what the passes need besides."""
+
+    name: str
+    module: nn.Module
+    kind: str = ""
+    calls: int = 0
+    kept_bytes: int = 0
+    input_bytes: int = 0
+    output_bytes: int = 0
+    flops: int = 0
+    forward_time: float = 0.0
+    self_saved_input_bytes: int = 0
+    forward_peak_bytes: int = 0
+    forward_moments: Tuple[int, ...] = ()
+    call_kept_bytes: int = 0
+    call_input_bytes: int = 0
+    created_bytes: int = 0
+    handed_over_bytes: int = 0
+    joins_previous: bool = False
+    base_before_bytes: Optional[int] = None
+    position: int = -1
+    first_position: int = -1
+    policy_saved_bytes: int = 0
+    policy_saved_kept_bytes: int = 0
+    selective_overhead: float = 0.0
+    recompute_time: float = 0.0  # with a save policy: the forward replaying the saved outputs
+    ops: Optional[List[OpCost]] = None  # summed over its calls; None when they differ
+    # What the passes need besides.
+    outer_kept: int = 0  # kept bytes of calls not nested in another candidate's: the total
+    joined: Optional["Record"] = None  # the record of the call it continues a chain from
+    depth: int = 0  # > 1 while the module is inside a call of itself
+    timed: int = 0
+    # Per call of the memory pass: which tensor inputs need grad, and the grad mode; the
+    # timing pass runs under no_grad and cannot see either.
+    call_modes: List[Tuple[List[bool], bool]] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _Frame:
+    """A candidate call in progress during the memory pass."""
+
+    nested: bool
+    grad: bool  # the grad mode the call would have run under
+    out_grads: List[bool]  # per tensor output: whether it requires grad
+    out_kept: List[bool]  # per tensor output: whether the module itself saves it
+
+
+class InputLedger:
+    """Which input storages the outermost candidate calls took, counted once.
+
+    An input that an earlier outermost call took too (an attention mask, or position
+    embeddings, that every layer takes) is alive through the whole forward and held,
+    after it, by whichever checkpoint or operator keeps it: it is counted once, in the
+    base, from the first call that took it, and in no call's inputs. Another call of the
+    same module taking one again (a mask every call of a shared layer takes) holds it no
+    longer: counted in the first call's inputs only.
+
+    Args:
+        excluded: Storages that are no inputs (parameters, buffers, the model's inputs).
+        base: The profile's base tally, which shared inputs move to.
+        records: Every candidate's record, whose ``base_before_bytes`` a move raises.
+    """
+
+    def __init__(self, excluded: StorageMap[Any], base: Tally, records: List["Record"]) -> None:
+        self._excluded, self._base, self._records = excluded, base, records
+        # Per input storage: the first record and outermost call that took it.
+        self._owner: StorageMap[Tuple[Record, int]] = StorageMap()
+        self._counted_by: Dict[int, StorageMap[None]] = {}  # per record
+        self._shared: StorageMap[None] = StorageMap()
+
+    def add(self, record: "Record", inputs: List[torch.Tensor], saved: List[torch.Tensor], position: int) -> None:
+        """Add the inputs of ``record``'s outermost call at ``position``, those of them
+        the call saves itself (``saved``) as self-saved."""
+        saved_here = StorageMap.of(saved)
+        counted = saved_bytes = 0
+        for tensor in inputs:
+            for storage in tensor_storages(tensor):
+                if storage in self._excluded or storage in self._counted_by.get(id(record), _NONE):
+                    continue
+                self._counted_by.setdefault(id(record), StorageMap()).setdefault(storage, None)
+                owner = self._owner.get(storage)
+                if owner is None:
+                    self._owner[storage] = (record, position)
+                    counted += storage.nbytes()
+                    if storage in saved_here:
+                        saved_bytes += storage.nbytes()
+                    continue
+                self._share(storage, *owner)
+        record.input_bytes += counted
+        record.call_input_bytes = max(record.call_input_bytes, counted)
+        record.self_saved_input_bytes += saved_bytes
+
+    def _share(self, storage: torch.UntypedStorage, first: "Record", position: int) -> None:
+        """``storage``, an input of the outermost call at ``position`` (of ``first``), is
+        an input of a later call too: move it from that call's inputs to the base."""
+        if storage in self._shared:
+            return
+        self._shared.setdefault(storage, None)
+        if storage in self._base:
+            return  # saved by that call or before it: counted in the base already
+        nbytes = storage.nbytes()
+        first.input_bytes -= nbytes
+        self._base.add(storage)
+        for record in self._records:
+            if record.base_before_bytes is not None and record.position >= position:
+                record.base_before_bytes += nbytes
+
+
+def _highest(known: Tuple[int, ...], new: Tuple[int, ...]) -> Tuple[int, ...]:
+    """Two calls' moments as one: the higher of each where they line up, else the moments
+    of the call that peaked higher."""
+    if not known:
+        return new
+    if len(known) == len(new):
+        return tuple(max(a, b) for a, b in zip(known, new))
+    return new if max(new, default=0) > max(known, default=0) else known
