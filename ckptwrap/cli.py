@@ -20,8 +20,7 @@ from ._errors import CheckpointError
 from ._frontier import Point, frontier_candidates, pareto_points
 from .diagnostics import main as doctor_main
 from .planner import profile_modules
-from .wrap import Plan
-from .wrap._planning import plan_and_profile
+from .wrap import Plan, plan_and_profile
 
 __all__ = ["main"]
 

@@ -11,8 +11,7 @@ from torch import nn
 
 from .._errors import CheckpointConfigError
 from ..planner import ModelProfile, as_example, profile_modules
-from ..wrap._model import PLAN_ATTRIBUTE, _remove_pending
-from ..wrap._switch import disabled
+from ..wrap import PLAN_ATTRIBUTE, disabled, remove_pending
 from . import _checks
 from ._ddp import check_ddp
 from ._gradients import compare_gradients
@@ -148,7 +147,7 @@ def _copies(
         findings.append(_train_mode_note(local))
         plain_model.train()
         checkpointed_model.train()
-    _remove_pending(plain_model)  # it runs inside disabled(): no need to measure and plan
+    remove_pending(plain_model)  # it runs inside disabled(): no need to measure and plan
     findings += _apply_pending_plan(checkpointed_model, args, kwargs, prefix)
     return plain_model, checkpointed_model
 
@@ -197,7 +196,7 @@ def _apply_pending_plan(
             warnings.simplefilter("ignore")
             model(*args, **kwargs)
     except Exception as error:  # the error the model's own first training forward raises
-        _remove_pending(model)
+        remove_pending(model)
         return [Finding(
             "error", "pending-plan", _checks.display(prefix, ""),
             f"the {plan.policy!r} plan waits for the model's first training forward to "

@@ -9,10 +9,8 @@ from typing import List, Optional, Tuple
 
 from torch import nn
 
-from ..wrap._decorator import decorator_options
-from ..wrap._forwards import _CheckpointedForward, _SegmentMember
 from ..engine import CheckpointOptions
-from ..wrap._wrapper import CheckpointWrapper
+from ..wrap import CheckpointWrapper, markings_of
 
 __all__ = ["Region", "find_regions", "markings_of"]
 
@@ -50,27 +48,6 @@ class Region:
         if isinstance(module, CheckpointWrapper):
             module = module.wrapped_module
         return type(module).__name__
-
-
-def markings_of(module: nn.Module) -> List[Marking]:
-    """Every marking that makes calls of ``module`` checkpointed, outermost first.
-
-    Offloading (``wrap_model(..., "offload")``) recomputes nothing and is not a marking.
-    """
-    found: List[Marking] = []
-    forward = module.__dict__.get("forward")
-    if isinstance(forward, _CheckpointedForward) and not forward.offload:
-        found.append(("wrap_model", forward.options))
-    elif isinstance(forward, _SegmentMember):  # runs in the region of the module before it
-        found.append(("wrap_model", forward.options))
-    if isinstance(module, CheckpointWrapper):
-        found.append(("CheckpointWrapper", module.checkpoint_options))
-        # The wrapper calls its module, so whatever marks that module applies as well.
-        return found + markings_of(module.wrapped_module)
-    options = decorator_options(type(module))
-    if options is not None:
-        found.append(("@checkpointed", options))
-    return found
 
 
 def find_regions(model: nn.Module) -> List[Region]:

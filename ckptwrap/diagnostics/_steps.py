@@ -13,9 +13,8 @@ import torch
 from torch import nn
 
 from .._errors import CheckpointConfigError
-from ..engine import _tree
-from ..engine._state import is_recomputing
-from ..wrap._switch import disabled
+from ..engine import flatten, is_recomputing, tensor_leaves, unflatten
+from ..wrap import disabled
 from ._regions import Region
 
 __all__ = ["CallLog", "Observer", "StepResult", "copy_model", "default_loss", "run_step"]
@@ -78,7 +77,7 @@ def default_loss(output: Any) -> torch.Tensor:
     if isinstance(output, torch.Tensor) and output.dim() == 0 and output.requires_grad:
         return output
     leaves = [
-        t for t in _tree.tensor_leaves(output)
+        t for t in tensor_leaves(output)
         if t.requires_grad and (t.is_floating_point() or t.is_complex())
     ]
     if not leaves:
@@ -136,7 +135,7 @@ def _detached(grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 def _fresh_inputs(value: Any) -> Tuple[Any, List[Tuple[str, torch.Tensor]]]:
     """Copies of every tensor in ``value`` (a model that changes its inputs in place must
     not change the other step's), and the copies that require grad, labelled."""
-    leaves, spec = _tree.flatten(value)
+    leaves, spec = flatten(value)
     needing: List[Tuple[str, torch.Tensor]] = []
     for index, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor):
@@ -144,7 +143,7 @@ def _fresh_inputs(value: Any) -> Tuple[Any, List[Tuple[str, torch.Tensor]]]:
             leaves[index] = fresh
             if fresh.requires_grad:
                 needing.append((f"example input #{len(needing)}", fresh))
-    return _tree.unflatten(leaves, spec), needing
+    return unflatten(leaves, spec), needing
 
 
 @contextlib.contextmanager
@@ -200,10 +199,10 @@ class Observer:
             if not torch.is_grad_enabled() or is_recomputing():
                 return None
             log.grad_calls += 1
-            if not any(t.requires_grad for t in _tree.tensor_leaves((args, kwargs))):
+            if not any(t.requires_grad for t in tensor_leaves((args, kwargs))):
                 log.calls_without_grad_input += 1
             log.keyword_tensors.update(
-                key for key, value in kwargs.items() if _tree.tensor_leaves(value)
+                key for key, value in kwargs.items() if tensor_leaves(value)
             )
             return None
 

@@ -4,12 +4,16 @@ early stop, nesting and ``checkpoint_sequential``. Knows nothing of policies or 
 from ._api import checkpoint, checkpoint_sequential
 from ._options import CheckpointOptions, options_from
 from ._state import is_recomputing, set_checkpoint_early_stop
+from ._tree import flatten, tensor_leaves, unflatten
 
 __all__ = [
     "CheckpointOptions",
     "checkpoint",
     "checkpoint_sequential",
+    "flatten",
     "is_recomputing",
     "options_from",
     "set_checkpoint_early_stop",
+    "tensor_leaves",
+    "unflatten",
 ]

@@ -44,6 +44,8 @@ _SAMPLE_SIZES = 4
 _SAMPLE_BATCHES = (2, 3)
 """Sample batch sizes: a batch of one takes other code paths in many kernels."""
 _LARGEST_GRANULE = 16
+_PAIRS = ((0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (0, 2), (2, 2))
+"""The sample sizes' indices of two lengths profiled together."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,9 +159,8 @@ class InputLayout:
 
     def samples_at(self, sizes: Sequence[int]) -> Optional[List[Tuple[int, ...]]]:
         """The variables' sizes to profile at, for inputs of ``sizes``: every combination
-        of the batch's and each length's sample sizes (a length's on a grid of three by
-        three when there are two: quadratic terms need no more); None when no variable
-        can be varied."""
+        of the batch's and each length's sample sizes (seven points of a grid of three by
+        three when there are two lengths); None when no variable can be varied."""
         variables = [dataclasses.replace(v, size=int(size)) for v, size in zip(self.variables, sizes)]
         axes = [variable.sample_sizes() for variable in variables]
         if not variables or any(len(axis) < (2 if v.name == "batch" else 3) for v, axis in zip(variables, axes)):
@@ -170,8 +171,10 @@ class InputLayout:
             # Without a length to shrink, 3 rows of a batch under 4 are no small sample.
             return None
         if len(lengths) == 2:
+            # Seven points of the three-by-three grid: the six a quadratic in two
+            # variables needs (a corner triangle) and one more, to check it.
             first, second = lengths
-            points = [(a, b) for a, b in itertools.product(first[:3], second[:3])]
+            points = [(first[i], second[j]) for i, j in _PAIRS]
         else:
             points = [tuple(p) for p in itertools.product(*lengths)]
         return [tuple(b) + tuple(p) for b in itertools.product(*batch) for p in points]

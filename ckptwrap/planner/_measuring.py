@@ -123,7 +123,8 @@ class Measurer:
         if resized:
             args, kwargs = layout.resized(args, kwargs, at)
             sizes = at
-        samples = layout.samples_at(sizes)
+        # Without a budget the plan is made at these shapes alone: no need to fit them.
+        samples = layout.samples_at(sizes) if self.settings.budget is not None else None
         why = None
         if samples is None:
             why = "its inputs have no batch or length to profile smaller"
@@ -135,6 +136,8 @@ class Measurer:
             costs.fit = self._agreed(costs.fit)
         if costs.fit is None:
             costs.profiles[sizes] = self.profile(model, args, kwargs, repeats=1, tolerant=resized)
+            if self.settings.budget is None:
+                return costs
             note(
                 f"ckptwrap profiled {type(model).__name__} at inputs of {layout.describe(sizes)} "
                 f"directly: {why or 'so did the lowest rank'}; each new shape of these inputs is "

@@ -2,21 +2,26 @@
 ``unwrap_model`` / ``plan``, which mark the modules a policy selects. Uses the engine."""
 
 from ._decorator import checkpointed
-from ._model import unwrap_model, wrap_model
-from ._planning import plan
+from ._forwards import markings_of
+from ._model import PLAN_ATTRIBUTE, remove_pending, unwrap_model, wrap_model
+from ._planning import plan, plan_and_profile
 from ..engine import CheckpointOptions
 from ..planner import Plan, PlanEntry
 from ._switch import disabled
 from ._wrapper import CheckpointWrapper
 
 __all__ = [
+    "PLAN_ATTRIBUTE",
     "CheckpointOptions",
     "CheckpointWrapper",
     "Plan",
     "PlanEntry",
     "checkpointed",
     "disabled",
+    "markings_of",
     "plan",
+    "plan_and_profile",
+    "remove_pending",
     "unwrap_model",
     "wrap_model",
 ]

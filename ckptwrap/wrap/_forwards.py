@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import weakref
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -22,7 +22,7 @@ from ._region import RngSnapshot, region_switched_off, run_offloaded, run_region
 from ._selective import SavedInstances
 from ._wrapper import CheckpointWrapper
 
-__all__ = ["entry_options", "marking"]
+__all__ = ["entry_options", "marking", "markings_of"]
 
 
 class _CheckpointedForward:
@@ -213,3 +213,24 @@ def marking(module: nn.Module) -> Optional[Tuple[str, CheckpointOptions]]:
     if options is not None:
         return "@checkpointed", options
     return None
+
+
+def markings_of(module: nn.Module) -> List[Tuple[str, CheckpointOptions]]:
+    """Every marking that makes calls of ``module`` checkpointed, outermost first.
+
+    Offloading (``wrap_model(..., "offload")``) recomputes nothing and is not a marking.
+    """
+    found: List[Tuple[str, CheckpointOptions]] = []
+    forward = module.__dict__.get("forward")
+    if isinstance(forward, _CheckpointedForward) and not forward.offload:
+        found.append(("wrap_model", forward.options))
+    elif isinstance(forward, _SegmentMember):  # runs in the region of the module before it
+        found.append(("wrap_model", forward.options))
+    if isinstance(module, CheckpointWrapper):
+        found.append(("CheckpointWrapper", module.checkpoint_options))
+        # The wrapper calls its module, so whatever marks that module applies as well.
+        return found + markings_of(module.wrapped_module)
+    options = decorator_options(type(module))
+    if options is not None:
+        found.append(("@checkpointed", options))
+    return found

@@ -24,7 +24,7 @@ from ._forwards import _CheckpointedForward, _SegmentMember, entry_options
 from ._planning import _select, measured, plan, refuse_inference, shape_planner
 from ._ranks import agreement
 
-__all__ = ["wrap_model", "unwrap_model", "PLAN_ATTRIBUTE"]
+__all__ = ["wrap_model", "unwrap_model", "remove_pending", "PLAN_ATTRIBUTE"]
 
 PLAN_ATTRIBUTE = "ckptwrap_plan"
 
@@ -109,14 +109,14 @@ def wrap_model(
     )
     hook = _PlanPerShape(planner, unmeasured, follow_shapes)
     if example_inputs is None and example_kwargs is None:
-        _remove_pending(model)
+        remove_pending(model)
         model.register_forward_pre_hook(hook, with_kwargs=True)
         setattr(model, PLAN_ATTRIBUTE, dataclasses.replace(unmeasured, pending=True))
         return model
     args, kwargs = as_example(example_inputs, example_kwargs)
     refuse_inference(budget, unmeasured, args, kwargs)
     applied = measured(unmeasured, planner.choose(model, args, kwargs, strict=True))
-    _remove_pending(model)
+    remove_pending(model)
     _apply(model, applied)
     hook.applied = applied
     model.register_forward_pre_hook(hook, with_kwargs=True)
@@ -325,8 +325,9 @@ def _named(model: nn.Module, applied: Optional[Plan]) -> List[nn.Module]:
     return [modules[name] for name in (applied.names if applied else []) if name in modules]
 
 
-def _remove_pending(model: nn.Module) -> None:
-    """Remove the hook that plans a ``budget:`` policy, with the plans it keeps."""
+def remove_pending(model: nn.Module) -> None:
+    """Remove the hook that plans a ``budget:`` policy, with the costs and plans it keeps
+    (the modules it marked stay marked)."""
     for key, hook in list(model._forward_pre_hooks.items()):
         if isinstance(hook, _PlanPerShape):
             del model._forward_pre_hooks[key]
@@ -348,6 +349,6 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise CheckpointConfigError(f"expected an nn.Module to unwrap, got {type(model).__name__}.")
     _unmark(model.modules())
-    _remove_pending(model)
+    remove_pending(model)
     model.__dict__.pop(PLAN_ATTRIBUTE, None)
     return model
