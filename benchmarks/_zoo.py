@@ -59,6 +59,17 @@ def _hf(name: str, model: nn.Module, kwargs: Dict[str, Any], candidates: str = "
     return Workload(name, model.train(), (), kwargs, lambda output: output.loss, candidates)
 
 
+def _language_model(
+    name: str, build: Callable[[], nn.Module], rows: int, length: int, candidates: str = "blocks"
+) -> Workload:
+    """A transformers model that takes token ids and is its own labels (a causal or masked
+    language model), built from the seed 0."""
+    torch.manual_seed(0)
+    model = build()
+    ids = _tokens(rows, length, 256)
+    return _hf(name, model, dict(input_ids=ids, labels=ids), candidates)
+
+
 def gpt_stack(rows: int, length: int) -> Workload:
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=256, width=64, heads=4, layers=4, seq_len=max(length, 64))).train()
@@ -69,37 +80,31 @@ def gpt_stack(rows: int, length: int) -> Workload:
 def gpt2(rows: int, length: int) -> Workload:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    torch.manual_seed(0)
     config = GPT2Config(
         n_layer=4, n_embd=64, n_head=4, vocab_size=256, n_positions=max(length, 64),
         bos_token_id=0, eos_token_id=0, attn_implementation="eager",
     )
-    ids = _tokens(rows, length, 256)
-    return _hf("HF GPT-2", GPT2LMHeadModel(config), dict(input_ids=ids, labels=ids))
+    return _language_model("HF GPT-2", lambda: GPT2LMHeadModel(config), rows, length)
 
 
 def llama(rows: int, length: int) -> Workload:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
     config = LlamaConfig(
         num_hidden_layers=4, hidden_size=64, intermediate_size=172, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=256, max_position_embeddings=max(length, 64),
     )
-    ids = _tokens(rows, length, 256)
-    return _hf("HF Llama", LlamaForCausalLM(config), dict(input_ids=ids, labels=ids))
+    return _language_model("HF Llama", lambda: LlamaForCausalLM(config), rows, length)
 
 
 def bert(rows: int, length: int) -> Workload:
     from transformers import BertConfig, BertForMaskedLM
 
-    torch.manual_seed(0)
     config = BertConfig(
         num_hidden_layers=4, hidden_size=64, intermediate_size=256, num_attention_heads=4,
         vocab_size=256, max_position_embeddings=max(length, 64),
     )
-    ids = _tokens(rows, length, 256)
-    return _hf("HF BERT", BertForMaskedLM(config), dict(input_ids=ids, labels=ids))
+    return _language_model("HF BERT", lambda: BertForMaskedLM(config), rows, length)
 
 
 def t5(rows: int, length: int) -> Workload:
@@ -144,26 +149,22 @@ def vit(rows: int, length: int) -> Workload:
 def mixtral(rows: int, length: int) -> Workload:
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    torch.manual_seed(0)
     config = MixtralConfig(
         num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=256,
         max_position_embeddings=max(length, 64),
     )
-    ids = _tokens(rows, length, 256)
-    return _hf("HF Mixtral", MixtralForCausalLM(config), dict(input_ids=ids, labels=ids))
+    return _language_model("HF Mixtral", lambda: MixtralForCausalLM(config), rows, length)
 
 
 def albert(rows: int, length: int) -> Workload:
     from transformers import AlbertConfig, AlbertForMaskedLM
 
-    torch.manual_seed(0)
     config = AlbertConfig(
         num_hidden_layers=6, hidden_size=64, intermediate_size=256, num_attention_heads=4,
         embedding_size=32, vocab_size=256, max_position_embeddings=max(length, 64),
     )
-    ids = _tokens(rows, length, 256)
-    return _hf("HF ALBERT", AlbertForMaskedLM(config), dict(input_ids=ids, labels=ids), "type:AlbertLayer")
+    return _language_model("HF ALBERT", lambda: AlbertForMaskedLM(config), rows, length, "type:AlbertLayer")
 
 
 class UBlock(nn.Module):

@@ -20,12 +20,12 @@ from .policy import Blocks, Intersection, Policy, as_policy, split_modifiers
 from .planner import (
     CostItem,
     ModelProfile,
-    forward_items,
     predicted_peak,
     profile_modules,
+    region_bytes,
     smallest_reachable_peak,
     solve_budget,
-    with_step_terms,
+    step_items,
 )
 from .wrap import plan
 
@@ -91,7 +91,9 @@ def pareto_points(
                 f"{policy!r} ({', '.join(absent[:3])}); pass a profile of all of them, or none "
                 f"to profile here"
             )
-    ordered, tail = with_step_terms(forward_items(profile, names, segments=True), profile)
+    ordered, _, tail = step_items(
+        profile, names, segments=True, region_bytes=region_bytes(model, tuple(inputs), {})
+    )
     names = [name for name, _ in ordered]
     items = [item for _, item in ordered]
     base = profile.base_bytes

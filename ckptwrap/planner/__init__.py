@@ -17,7 +17,7 @@ from ._ops import OpCost, packet_name
 from ._plan import Plan, PlanEntry
 from ._measuring import PlanSettings, is_measuring, region_bytes
 from ._planner import ShapePlanner, resolve_budget
-from ._costs import ModelProfile, ModuleCost
+from ._module_costs import ModelProfile, ModuleCost
 from ._profile import profile_modules
 from ._solver import (
     BudgetSolution,

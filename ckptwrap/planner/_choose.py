@@ -13,7 +13,7 @@ from ._cost_model import CostItem
 from ._items import forward_levels, saving, with_step_terms
 from ._levels import Level
 from ._plan import PlanEntry
-from ._costs import ModelProfile
+from ._module_costs import ModelProfile
 from ._solver import BudgetSolution, lowest_plan, predicted_peak, solve_budget
 
 __all__ = ["Choice", "choose", "plain_peak", "step_items"]

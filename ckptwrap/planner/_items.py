@@ -11,7 +11,7 @@ from typing import Any, List, Sequence, Tuple
 from ._cost_model import CostItem
 from ._levels import Level, pooled_levels
 from ._moments import step_terms
-from ._costs import ModelProfile
+from ._module_costs import ModelProfile
 
 __all__ = ["cost_item", "forward_items", "forward_levels", "saving", "with_step_terms"]
 

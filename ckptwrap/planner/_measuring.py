@@ -22,7 +22,7 @@ from torch import nn
 from .._warn import note
 from ..measure import tensors
 from ..policy import Budget
-from ._costs import ModelProfile
+from ._module_costs import ModelProfile
 from ._fit import CostFit, ShapesDiffer
 from ._inputs import InputLayout, read_layout
 from ._profile import measure_training_step, profile_modules

@@ -31,7 +31,7 @@ from .._errors import CheckpointConfigError
 from .._warn import warn
 from ..policy import Budget
 from ._choose import Choice, choose, plain_peak, step_items
-from ._costs import ModelProfile
+from ._module_costs import ModelProfile
 from ._inputs import read_layout
 from ._measuring import LayoutCosts, Measurer, PlanSettings, region_bytes
 from ._solver import PercentBudget, smallest_reachable_peak

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .._errors import CheckpointConfigError
-from ._costs import ModelProfile, ModuleCost
+from ._module_costs import ModelProfile, ModuleCost
 from ._profile_run import Record, SavePolicy, Session
 from ._progress import ProgressBar, should_show
 from ._step import StepPeaks, measure_step

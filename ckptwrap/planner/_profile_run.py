@@ -103,8 +103,7 @@ class Session:
                 handles += self._hook(self._time_pre, self._time_post)
                 args, kwargs = fresh_caches(self._args, self._kwargs)
                 with torch.no_grad():
-                    output = self._model(*args, **kwargs)
-                del output
+                    self._model(*args, **kwargs)
                 self._end_pass()
         finally:
             for handle in handles:

@@ -26,7 +26,6 @@ from ckptwrap.planner import _items
 from ckptwrap.wrap._model import _apply
 from ckptwrap.engine._options import CheckpointOptions
 from ckptwrap.planner._plan import Plan, PlanEntry
-from ckptwrap.planner import with_step_terms
 
 from ._models import (
     CallLog,
