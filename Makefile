@@ -24,7 +24,7 @@ demo: $(STAMP)
 	$(PY) examples/train_gpt.py
 
 bench: $(STAMP)
-	$(PY) benchmarks/engine.py
+	$(PY) benchmarks/engine.py --threads 1
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -7,6 +7,8 @@ own ``CheckpointError`` so code written against ``torch.utils.checkpoint`` keeps
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
 import torch.utils.checkpoint as _torch_checkpoint
 
 __all__ = ["CheckpointError", "CheckpointConfigError"]
@@ -14,6 +16,11 @@ __all__ = ["CheckpointError", "CheckpointConfigError"]
 
 class CheckpointError(_torch_checkpoint.CheckpointError):
     """Raised when checkpointing cannot proceed or a recomputation does not match its forward."""
+
+    module: Optional[Any] = None
+    """The module whose checkpointed region failed, where the error knows it (else None)."""
+    fix: Optional[str] = None
+    """What to change, where the error knows it (the message says it too), else None."""
 
 
 class CheckpointConfigError(CheckpointError, ValueError):

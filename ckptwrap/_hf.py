@@ -18,6 +18,7 @@ import inspect
 import sys
 from typing import Any, Dict, Optional, Tuple
 
+import torch
 from torch import nn
 
 __all__ = ["cache_free_arguments", "fresh_caches", "hf_layer_class", "is_hf_layer_class"]
@@ -27,8 +28,8 @@ _LAYER_CLASS = "GradientCheckpointingLayer"
 _CACHE_MODULE = "transformers.cache_utils"
 _CACHE_CLASS = "Cache"
 
-# Per class, since every checkpointed forward asks (a plain dict, which the compiler
-# reads). Sound because a class can only derive from the layer class once it exists.
+# Per class, since every checkpointed forward asks. Sound because a class can only derive
+# from the layer class once it exists.
 _KNOWN: Dict[type, bool] = {}
 
 
@@ -41,11 +42,22 @@ def hf_layer_class() -> Optional[type]:
 
 def is_hf_layer_class(cls: type) -> bool:
     """Whether instances of ``cls`` are layers transformers checkpoints itself."""
+    if torch.compiler.is_compiling():
+        return _looked_up_eagerly(cls)
+    return _looked_up(cls)
+
+
+def _looked_up(cls: type) -> bool:
     known = _KNOWN.get(cls)
     if known is None:
         layer_class = hf_layer_class()
         known = _KNOWN[cls] = layer_class is not None and issubclass(cls, layer_class)
     return known
+
+
+# Under torch.compile, called eagerly and its answer built into the graph: traced, the
+# look-up in sys.modules would guard on its size, and any later import would recompile.
+_looked_up_eagerly = torch.compiler.assume_constant_result(_looked_up)
 
 
 def fresh_caches(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:

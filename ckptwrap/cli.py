@@ -25,7 +25,7 @@ from .wrap import Plan, plan_and_profile
 __all__ = ["main"]
 
 _PROG = "python -m ckptwrap"
-_PLOT_HINT = "install the plot extra: pip install 'ckptwrap[plot]'"
+_PLOT_HINT = "install matplotlib: pip install matplotlib (in a clone of ckptwrap: pip install -e '.[plot]')"
 _MIB = float(1 << 20)
 
 

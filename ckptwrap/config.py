@@ -11,8 +11,16 @@ or, from a YAML/JSON config section::
 
     model = ckptwrap.config.from_config({"policy": "every:2", "use_reentrant": False}).apply(model)
 
+or, where options live in dataclasses (``transformers.HfArgumentParser``, a YAML file of
+flat keys), :class:`CheckpointingArguments`, whose fields are the flags' attribute names::
+
+    parser = HfArgumentParser((TrainingArguments, ckptwrap.config.CheckpointingArguments))
+    training_args, ac_args = parser.parse_args_into_dataclasses()  # or parse_yaml_file(path)
+    model = ac_args.apply(model)
+
 Where the policy comes from, first match wins: the explicit source (the ``policy`` key of
-the config, or the ``--activation-checkpointing`` flag), then the ``CKPTWRAP_POLICY``
+the config, the ``--activation-checkpointing`` flag, or the dataclass's
+``activation_checkpointing`` field), then the ``CKPTWRAP_POLICY``
 environment variable, then ``"none"``. The source is logged once, at INFO, on the
 ``ckptwrap.config`` logger.
 """
@@ -23,7 +31,7 @@ import argparse
 import dataclasses
 import logging
 import os
-from typing import Any, Mapping, Optional, Set, Tuple
+from typing import Any, Dict, Literal, Mapping, Optional, Set, Tuple
 
 from torch import nn
 
@@ -34,6 +42,7 @@ from .wrap import CheckpointOptions, wrap_model
 __all__ = [
     "ENV_VAR",
     "ActivationCheckpointingConfig",
+    "CheckpointingArguments",
     "add_argparse_args",
     "from_args",
     "apply_from_args",
@@ -45,15 +54,7 @@ ENV_VAR = "CKPTWRAP_POLICY"
 
 _OPTION_KEYS = ("use_reentrant", "preserve_rng_state", "early_stop", "determinism_check", "debug")
 _FLAG = "--activation-checkpointing"
-# The attributes add_argparse_args puts on the namespace, in the order it adds them.
-_NAMESPACE_ATTRIBUTES = (
-    "activation_checkpointing",
-    "ac_use_reentrant",
-    "ac_preserve_rng_state",
-    "ac_early_stop",
-    "ac_determinism_check",
-    "ac_nested",
-)
+_GROUP = "activation checkpointing (ckptwrap)"
 
 _log = logging.getLogger(__name__)
 # (source, policy) pairs already logged: a script that reads its config in a loop, or on
@@ -87,9 +88,120 @@ class ActivationCheckpointingConfig:
             )
         as_policy(self.policy)  # fail on a malformed policy now, not when the model is built
 
-    def apply(self, model: nn.Module) -> nn.Module:
-        """Wrap ``model`` in place as configured and return it."""
-        return wrap_model(model, self.policy, nested=self.nested, **self.options.as_kwargs())
+    def apply(
+        self,
+        model: nn.Module,
+        *,
+        example_inputs: Any = None,
+        example_kwargs: Optional[Dict[str, Any]] = None,
+    ) -> nn.Module:
+        """Wrap ``model`` in place as configured and return it.
+
+        ``example_inputs`` and ``example_kwargs`` (the model's keyword inputs, as a Hugging
+        Face model takes them) are passed to :func:`ckptwrap.wrap_model`, so that a
+        ``budget:`` policy is planned now instead of on the first training forward.
+        """
+        return wrap_model(
+            model,
+            self.policy,
+            nested=self.nested,
+            example_inputs=example_inputs,
+            example_kwargs=example_kwargs,
+            **self.options.as_kwargs(),
+        )
+
+
+def _flag_field(default: Any, text: str) -> Any:
+    """A field with its flag's help text where HfArgumentParser looks for it."""
+    return dataclasses.field(default=default, metadata={"help": text})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointingArguments:
+    """The ``--activation-checkpointing`` flag and its options, as a dataclass.
+
+    Its fields are the attributes :func:`add_argparse_args` puts on the namespace, with the
+    same defaults and help texts (in each field's ``metadata["help"]``), so it is the flag
+    wherever options are dataclasses: ``transformers.HfArgumentParser`` (whose flags are
+    the field names, ``--activation_checkpointing`` or ``--activation-checkpointing``,
+    ``--ac_use_reentrant`` and so on), a YAML file of flat keys read by its
+    ``parse_yaml_file``, or a config section, ``CheckpointingArguments(**section)``.
+    Values are checked when it is made; the policy, when ``activation_checkpointing`` is
+    left ``None``, comes from the ``CKPTWRAP_POLICY`` environment variable when
+    :meth:`apply` runs, else ``"none"``.
+
+    Raises:
+        CheckpointConfigError: A field's value is not allowed; the message names the
+            fields given, the value refused and the values allowed.
+
+    Example:
+        >>> parser = HfArgumentParser((TrainingArguments, CheckpointingArguments))
+        >>> training_args, ac_args = parser.parse_args_into_dataclasses()
+        >>> model = ac_args.apply(model)
+    """
+
+    # HfArgumentParser puts the fields of a dataclass with this attribute in a group of this name.
+    _argument_group_name = _GROUP
+
+    activation_checkpointing: Optional[str] = _flag_field(
+        None,
+        "which modules to checkpoint: none, blocks, all, type:NAME, name:GLOB, every:N, "
+        "first:K, last:K, fraction:P, budget:NN%% or budget:SIZE (measured on the first "
+        "training step), plus selective[:OPS] or offload, joined by ';'; "
+        f"left out: ${ENV_VAR}, else none",  # argparse %-formats help: %% is a percent sign
+    )
+    ac_use_reentrant: bool = _flag_field(False, "use the re-entrant engine")
+    ac_preserve_rng_state: bool = _flag_field(True, "replay RNG state so dropout matches")
+    ac_early_stop: Optional[bool] = _flag_field(
+        None, "stop recomputation once every needed tensor exists (left out: yes)"
+    )
+    ac_determinism_check: Literal["default", "none"] = _flag_field(
+        "default", "check recomputed shapes, dtypes and devices"
+    )
+    ac_nested: bool = _flag_field(
+        False, "keep selected modules inside selected modules as nested checkpoints"
+    )
+
+    def __post_init__(self) -> None:
+        # The checks of ActivationCheckpointingConfig and CheckpointOptions, with the fields named.
+        try:
+            policy = "none" if self.activation_checkpointing is None else self.activation_checkpointing
+            ActivationCheckpointingConfig(policy=policy, nested=self.ac_nested, options=_options_of(self))
+        except CheckpointConfigError as error:
+            given = ", ".join(
+                f"{field.name}={getattr(self, field.name)!r}"
+                for field in dataclasses.fields(self)
+                if not _is_default(getattr(self, field.name), field.default)
+            )
+            raise CheckpointConfigError(f"CheckpointingArguments({given}): {error}") from None
+
+    def to_config(self) -> ActivationCheckpointingConfig:
+        """The configuration these arguments give, the policy resolved as :func:`from_args` does."""
+        return _config_of(
+            self,
+            "CheckpointingArguments.activation_checkpointing",
+            "activation_checkpointing is None",
+        )
+
+    def apply(
+        self,
+        model: nn.Module,
+        *,
+        example_inputs: Any = None,
+        example_kwargs: Optional[Dict[str, Any]] = None,
+    ) -> nn.Module:
+        """Wrap ``model`` in place as configured and return it (see
+        :meth:`ActivationCheckpointingConfig.apply`): the same ``wrap_model`` call as the flag."""
+        return self.to_config().apply(model, example_inputs=example_inputs, example_kwargs=example_kwargs)
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    return type(value) is type(default) and value == default  # 1 == True, yet 1 is not allowed
+
+
+_ARGUMENTS = {field.name: field for field in dataclasses.fields(CheckpointingArguments)}
+# The attributes add_argparse_args puts on the namespace, in the order it adds them.
+_NAMESPACE_ATTRIBUTES = tuple(_ARGUMENTS)
 
 
 def add_argparse_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -104,48 +216,21 @@ def add_argparse_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     Returns:
         ``parser``, for chaining.
     """
-    group = parser.add_argument_group("activation checkpointing (ckptwrap)")
-    # argparse %-formats help texts, so a literal percent sign is written %%.
-    group.add_argument(
-        _FLAG,
-        metavar="SPEC",
-        default=None,
-        help=(
-            "which modules to checkpoint: none, blocks, all, type:NAME, name:GLOB, every:N, "
-            "first:K, last:K, fraction:P, budget:NN%% or budget:SIZE (measured on the first "
-            "training step), plus selective[:OPS] or offload, joined by ';' "
-            f"(default: ${ENV_VAR}, else none)"
-        ),
-    )
-    group.add_argument(
-        "--ac-use-reentrant",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="use the re-entrant engine (default: no)",
-    )
-    group.add_argument(
-        "--ac-preserve-rng-state",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="replay RNG state so dropout matches (default: yes)",
-    )
-    group.add_argument(
-        "--ac-early-stop",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="stop recomputation once every needed tensor exists (default: yes)",
-    )
-    group.add_argument(
-        "--ac-determinism-check",
-        choices=("default", "none"),
-        default="default",
-        help="check recomputed shapes, dtypes and devices (default: default)",
-    )
-    group.add_argument(
-        "--ac-nested",
-        action="store_true",
-        help="keep selected modules inside selected modules as nested checkpoints",
-    )
+    group = parser.add_argument_group(_GROUP)
+
+    # Defaults and help texts are CheckpointingArguments'; HfArgumentParser adds the
+    # "(default: ...)" that a plain parser lacks, so it is added here.
+    def add(flag: str, name: str, shown_default: str = "", **kwargs: Any) -> None:
+        field = _ARGUMENTS[name]
+        shown = f" (default: {shown_default})" if shown_default else ""
+        group.add_argument(flag, default=field.default, help=field.metadata["help"] + shown, **kwargs)
+
+    add(_FLAG, "activation_checkpointing", metavar="SPEC")
+    add("--ac-use-reentrant", "ac_use_reentrant", "no", action=argparse.BooleanOptionalAction)
+    add("--ac-preserve-rng-state", "ac_preserve_rng_state", "yes", action=argparse.BooleanOptionalAction)
+    add("--ac-early-stop", "ac_early_stop", action=argparse.BooleanOptionalAction)
+    add("--ac-determinism-check", "ac_determinism_check", "default", choices=("default", "none"))
+    add("--ac-nested", "ac_nested", action="store_true")
     return parser
 
 
@@ -173,19 +258,7 @@ def from_args(args: argparse.Namespace) -> ActivationCheckpointingConfig:
             f"ckptwrap's flags set; allowed is the namespace of a parser that has them: call "
             f"ckptwrap.config.add_argparse_args(parser) before parsing."
         )
-    policy = _resolve_policy(
-        args.activation_checkpointing,
-        args.activation_checkpointing is not None,
-        f"the {_FLAG} flag",
-        f"no {_FLAG} flag",
-    )
-    options = CheckpointOptions(
-        use_reentrant=args.ac_use_reentrant,
-        preserve_rng_state=args.ac_preserve_rng_state,
-        early_stop=args.ac_early_stop,
-        determinism_check=args.ac_determinism_check,
-    )
-    return ActivationCheckpointingConfig(policy=policy, nested=args.ac_nested, options=options)
+    return _config_of(args, f"the {_FLAG} flag", f"no {_FLAG} flag")
 
 
 def apply_from_args(model: nn.Module, args: argparse.Namespace) -> nn.Module:
@@ -235,6 +308,25 @@ def from_config(config: Optional[Mapping[str, Any]]) -> ActivationCheckpointingC
         config.get("policy"), "policy" in config, "the config key 'policy'", "the config has no 'policy' key"
     )
     return ActivationCheckpointingConfig(policy=policy, nested=nested, options=options)
+
+
+def _options_of(args: Any) -> CheckpointOptions:
+    """The engine options of a namespace from :func:`add_argparse_args` or a CheckpointingArguments."""
+    return CheckpointOptions(
+        use_reentrant=args.ac_use_reentrant,
+        preserve_rng_state=args.ac_preserve_rng_state,
+        early_stop=args.ac_early_stop,
+        determinism_check=args.ac_determinism_check,
+    )
+
+
+def _config_of(args: Any, source: str, absent: str) -> ActivationCheckpointingConfig:
+    """The configuration of the flags' attributes on ``args``; ``source`` names where the
+    policy comes from when given, ``absent`` says that it is not."""
+    policy = _resolve_policy(
+        args.activation_checkpointing, args.activation_checkpointing is not None, source, absent
+    )
+    return ActivationCheckpointingConfig(policy=policy, nested=args.ac_nested, options=_options_of(args))
 
 
 def _resolve_policy(explicit: Any, given: bool, source: str, absent: str) -> Any:

@@ -205,14 +205,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of weights, data and dropout")
     parser.add_argument("--device", default="cpu", help="device to train on, e.g. cpu or cuda")
     parser.add_argument(
-        "--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)"
+        "--threads", type=int, default=1,
+        help="CPU threads for torch; 0 for torch's choice (default: 1, so that step times compare)",
     )
     ckptwrap.config.add_argparse_args(parser)
     args = parser.parse_args(argv)
-    if args.threads is not None:
-        # On a machine shared with other work, fewer threads than cores keeps the
-        # threads of one operator from waiting on each other and gives steadier times.
-        torch.set_num_threads(args.threads)
+    if args.threads < 0:
+        parser.error(f"--threads must be 0 (torch's choice) or more, got {args.threads}")
+    # Several threads on a small model, on a machine shared with other work, make the
+    # threads of one operator wait on each other: step times then move by more than the
+    # policies differ, and the time column ranks them by noise.
+    threads = args.threads or torch.get_num_threads()
     if args.steps < 2:
         parser.error(f"--steps must be at least 2 (one measured, one timed), got {args.steps}")
     try:
@@ -224,13 +227,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"GPT: {config.layers} blocks, width {config.width}, {config.heads} heads, sequence "
         f"{config.seq_len}, batch {args.batch}, dropout {config.dropout}; {args.steps} steps "
-        f"on {args.device}, CPU threads: {torch.get_num_threads()} (peak memory of step 1, median time of "
-        f"steps 2-{args.steps})"
+        f"on {args.device}, CPU threads: {threads} (--threads); peak memory of step 1, "
+        f"median time of steps 2-{args.steps}"
     )
     chosen = ckptwrap.config.from_args(args)
     configurations = None  # with no policy asked for, compare the demo's policies
     if chosen.policy != "none":
         configurations = {"none": ActivationCheckpointingConfig(), label(chosen): chosen}
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
         results = run(
             config, steps=args.steps, batch=args.batch, seed=args.seed, device=args.device,
@@ -238,6 +243,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except ckptwrap.CheckpointError as error:
         parser.error(str(error))
+    finally:
+        torch.set_num_threads(previous_threads)  # main() also runs inside other programs (tests)
     print(format_table(results))
     reference = results[0].first_grads
     if all(grads_equal(reference, result.first_grads) for result in results[1:]):

@@ -246,7 +246,7 @@ def test_pareto_without_matplotlib_says_how_to_install_it(capsys, monkeypatch, t
         capsys, f"{_HERE}:tiny_stack", "--input-shape", "2,16", "--pareto", str(tmp_path / "f.png")
     )
     assert code == 2 and not out
-    assert "install the plot extra: pip install 'ckptwrap[plot]'" in err
+    assert "pip install -e '.[plot]'" in err
     assert not (tmp_path / "f.png").exists()
 
 

@@ -146,3 +146,50 @@ def test_compiled_selective_tier_trains_like_eager():
     backend = _Recorder()
     _train_and_compare(reference, model, torch.compile(model, backend=backend, fullgraph=True))
     assert backend.checkpoints() == len(model.ckptwrap_plan) > 0
+
+
+@pytest.mark.parametrize("order", ["wrap-then-compile", "compile-then-wrap"])
+def test_a_lazy_budget_plans_eagerly_under_compile_in_either_order(order):
+    torch.manual_seed(0)
+    reference = GPT(_CONFIG)
+    model = copy.deepcopy(reference)
+    # The tiny model's least memory is about 92% of its plain step's peak.
+    if order == "wrap-then-compile":
+        compiled = torch.compile(ckptwrap.wrap_model(model, "budget:95%"), backend="aot_eager")
+    else:
+        compiled = ckptwrap.wrap_model(torch.compile(model, backend="aot_eager"), "budget:95%")
+    assert model.ckptwrap_plan.pending
+    _train_and_compare(reference, model, compiled)
+    applied = model.ckptwrap_plan
+    assert not applied.pending and applied.predicted_peak <= applied.budget
+    assert len(applied) > 0, "the budget is below the plain step's peak"
+    assert compiled.ckptwrap_plan is applied  # read through the compiled module too
+    assert [name for name, _ in model.named_parameters()] == [n for n, _ in reference.named_parameters()]
+
+
+def test_a_lazy_budget_under_fullgraph_names_example_inputs():
+    model = ckptwrap.wrap_model(GPT(_CONFIG), "budget:50%")
+    tokens, targets = synthetic_batch(_CONFIG, 2, seed=0)
+    with pytest.raises(Exception, match="example_inputs") as info:
+        torch.compile(model, backend="aot_eager", fullgraph=True)(tokens, targets)
+    assert "ckptwrap plans a budget" in str(info.value)
+
+
+def test_a_budget_planned_with_example_inputs_compiles_without_breaks():
+    torch.manual_seed(0)
+    reference = GPT(_CONFIG)
+    tokens, targets = synthetic_batch(_CONFIG, 2, seed=0)
+    model = ckptwrap.wrap_model(copy.deepcopy(reference), "budget:95%", example_inputs=(tokens, targets))
+    backend = _Recorder()
+    _train_and_compare(reference, model, torch.compile(model, backend=backend, fullgraph=True))
+    assert backend.checkpoints() == len(model.ckptwrap_plan) > 0
+
+
+@pytest.mark.parametrize("fullgraph", [False, True], ids=["graph-breaks", "fullgraph"])
+def test_the_offload_tier_is_refused_under_compile(fullgraph):
+    model = ckptwrap.wrap_model(GPT(_CONFIG), "blocks;offload")
+    tokens, targets = synthetic_batch(_CONFIG, 2, seed=0)
+    expected = ckptwrap.CheckpointConfigError if not fullgraph else Exception
+    with pytest.raises(expected, match=r"(?s)offload tier cannot run under torch\.compile.*without ';offload'"):
+        torch.compile(model, backend="aot_eager", fullgraph=fullgraph)(tokens, targets)
+    model(tokens, targets).backward()  # eagerly the tier runs as before

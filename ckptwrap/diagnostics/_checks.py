@@ -4,8 +4,9 @@ findings; the gradient comparison lives in ``_gradients``, the DDP check in ``_d
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Set
 
+from torch import nn
 from torch.nn.modules.dropout import _DropoutNd
 
 from ..planner import ModelProfile
@@ -20,6 +21,7 @@ __all__ = [
     "check_reentrant_calls",
     "check_savings",
     "check_selected_twice",
+    "check_transformers_checkpointing",
     "display",
 ]
 
@@ -59,45 +61,122 @@ def check_selected_twice(regions: List[Region], prefix: str) -> List[Finding]:
             )
             findings.append(Finding(
                 "warning", "selected-twice", name,
-                f"{name} ({region.kind}) is checkpointed twice, by {' and by '.join(ways)}: "
-                f"the inner checkpoint runs inside the outer one, so its forward runs three "
-                f"times per step instead of two and no more memory is saved.",
+                f"{name} is checkpointed twice, by {' and by '.join(ways)}: the inner "
+                f"checkpoint runs inside the outer one, so its forward runs three times per "
+                f"step instead of two and no more memory is saved.",
                 f"keep one of the markings: {removals}.",
+                details=(f"{name} ({region.kind})",),
             ))
         if region.parent is not None:
             outer = display(prefix, region.parent)
             findings.append(Finding(
                 "warning", "selected-twice", name,
-                f"{name} is checkpointed inside checkpointed {outer}: it runs in the forward, "
-                f"again when {outer} is recomputed, and a third time for its own "
+                f"{name} is checkpointed inside another checkpointed region: it runs in the "
+                f"forward, again when that region is recomputed, and a third time for its own "
                 f"recomputation.",
-                f"checkpoint only {outer} or only the modules inside it (wrap_model leaves "
-                f"nested modules out unless nested=True); keep both only to bound the memory "
-                f"of {outer}'s recomputation, at the cost of that third forward.",
+                "checkpoint only the enclosing region or only the modules inside it "
+                "(wrap_model leaves nested modules out unless nested=True); keep both only to "
+                "bound the memory of the enclosing region's recomputation, at the cost of that "
+                "third forward.",
+                details=(f"{name} is inside checkpointed {outer or '<model>'}",),
             ))
     return findings
 
 
-def check_not_called(regions: List[Region], logs: Dict[str, CallLog], prefix: str) -> List[Finding]:
-    """Regions the step never called: their marking has no effect."""
+def check_transformers_checkpointing(
+    model: nn.Module, regions: List[Region], prefix: str
+) -> List[Finding]:
+    """Regions that transformers' own gradient checkpointing also checkpoints: layers whose
+    ``gradient_checkpointing`` flag is on, inside a region or around one."""
+    flagged = [
+        name for name, module in model.named_modules()
+        if getattr(module, "gradient_checkpointing", None) is True
+    ]
+    findings = []
+    for region in regions:
+        overlaps = [
+            name for name in flagged
+            if name == region.name or _inside_any(name, [region.name]) or _inside_any(region.name, [name])
+        ]
+        if not overlaps:
+            continue
+        name = display(prefix, region.name)
+        ways = [how for how, _ in region.markings]
+        later = (
+            "wrap_model switches it off at the next training forward, with a warning; "
+            if "wrap_model" in ways else
+            f"{ways[0]} does not switch it off; "
+        )
+        findings.append(Finding(
+            "warning", "selected-twice", name,
+            f"{name} is checkpointed by ckptwrap and by transformers' own gradient "
+            f"checkpointing (its gradient_checkpointing flag is on): the layer's forward runs "
+            f"three times per step instead of two and no more memory is saved.",
+            f"{later}switch transformers' off: model.gradient_checkpointing_disable(), and "
+            f"TrainingArguments(gradient_checkpointing=False) under the Trainer.",
+            details=(f"{name} ({region.kind}) with transformers' flag on {_few([display(prefix, n) for n in overlaps])}",),
+        ))
+    return findings
+
+
+def check_not_called(
+    regions: List[Region], logs: Dict[str, CallLog], called: Set[str], prefix: str
+) -> List[Finding]:
+    """Regions the step never called: their marking has no effect.
+
+    Args:
+        regions: The regions.
+        logs: Their calls in the checkpointed step.
+        called: Every module the plain step called (see ``recording_calls``).
+        prefix: See :func:`display`.
+    """
     findings = []
     for region in regions:
         if logs[region.name].calls:
             continue
         name = display(prefix, region.name)
+        parts = [display(prefix, part) for part in _called_parts(region, called)]
+        calls = f"; the forward calls {_few(parts)} inside it" if parts else ""
         findings.append(Finding(
             "warning", "not-called", name,
-            f"{name} ({region.kind}) is checkpointed but the model never called it in the "
-            f"step: its parent uses its submodules or parameters directly, so nothing there "
-            f"is checkpointed.",
+            f"{name} is checkpointed but the model never called it in the step: its parent "
+            f"uses its submodules or parameters directly, so nothing there is checkpointed.",
             "checkpoint a module that the forward calls (the parent, or the submodules it "
             "calls), or make sure the example inputs take the path you train on.",
+            details=(f"{name} ({region.kind}){calls}",),
         ))
     return findings
 
 
-def check_savings(regions: List[Region], profile: ModelProfile, prefix: str) -> List[Finding]:
-    """Regions whose checkpoint keeps inputs about as big as the activations it drops."""
+def _called_parts(region: Region, called: Set[str]) -> List[str]:
+    """The outermost modules inside ``region`` that the step called, in model order."""
+    parts: List[str] = []
+    for name, _ in region.module.named_modules(prefix=region.name):
+        if name != region.name and name in called and not _inside_any(name, parts):
+            parts.append(name)
+    return parts
+
+
+def _inside_any(name: str, outer: List[str]) -> bool:
+    return any(name.startswith(other + ".") for other in outer)
+
+
+def _few(names: List[str]) -> str:
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
+def check_savings(
+    regions: List[Region], profile: ModelProfile, called: Set[str], prefix: str
+) -> List[Finding]:
+    """Regions whose checkpoint keeps inputs about as big as the activations it drops.
+
+    Args:
+        regions: The regions.
+        profile: What each region keeps, measured un-checkpointed.
+        called: Every module the plain step called: a larger module to checkpoint instead
+            is named only among these (a ``ModuleList`` holding the region is never called).
+        prefix: See :func:`display`.
+    """
     findings = []
     for region in regions:
         if region.name not in profile:
@@ -110,16 +189,30 @@ def check_savings(regions: List[Region], profile: ModelProfile, prefix: str) -> 
         if kept > 0 and saved >= SAVINGS_THRESHOLD * kept:
             continue
         name = display(prefix, region.name)
-        parent = display(prefix, region.name.rpartition(".")[0]) or "<model>"
+        larger = display(prefix, _called_ancestor(region.name, called)) or "<model>"
         findings.append(Finding(
             "warning", "no-savings", name,
-            f"checkpointing {name} ({region.kind}) saves almost nothing: its forward keeps "
-            f"{_size(kept)} of activations and its checkpoint keeps its inputs, "
-            f"{_size(inputs)}, so each step recomputes it to save {_size(max(saved, 0))}.",
-            f"leave {name} un-checkpointed, or checkpoint a larger module that contains it "
-            f"(such as {parent}), which drops more activations per input kept.",
+            f"checkpointing {name} saves almost nothing: its checkpoint keeps its inputs, "
+            f"which are about as big as the activations its forward keeps or bigger, so each "
+            f"step recomputes it for little or no memory.",
+            f"leave {name} un-checkpointed, or checkpoint the larger module listed with it "
+            f"(one that contains it and that the forward calls), which drops more activations "
+            f"per input kept.",
+            details=(
+                f"{name} ({region.kind}) keeps {_size(kept)} of activations and {_size(inputs)} "
+                f"of inputs, saving {_size(max(saved, 0))}; larger module: {larger}",
+            ),
         ))
     return findings
+
+
+def _called_ancestor(name: str, called: Set[str]) -> str:
+    """The nearest module around ``name`` that the step called (``""``: the model)."""
+    while name:
+        name = name.rpartition(".")[0]
+        if name in called:
+            return name
+    return ""
 
 
 def _active_dropouts(region: Region) -> List[str]:
@@ -145,16 +238,18 @@ def check_dropout_rng(
             continue
         name = display(prefix, region.name)
         if dropouts:
-            shown = ", ".join(dropouts[:4]) + (f" and {len(dropouts) - 4} more" if len(dropouts) > 4 else "")
-            what = f"has dropout ({shown})"
+            detail = f"{name} has dropout ({_few(dropouts)})"
         else:
-            what = "draws random numbers in its forward (functional dropout, torch.rand...)"
+            detail = (
+                f"{name} draws them outside dropout modules (functional dropout, torch.rand...)"
+            )
         findings.append(Finding(
             "error", "dropout-rng", name,
-            f"{name} {what} and is checkpointed with preserve_rng_state=False: the "
-            f"recomputation draws other random numbers than the forward did, so the "
-            f"gradients differ from those of the un-checkpointed model.",
+            f"{name} draws random numbers in its forward and is checkpointed with "
+            f"preserve_rng_state=False: the recomputation draws other random numbers than "
+            f"the forward did, so the gradients differ from those of the un-checkpointed model.",
             f"checkpoint {name} with preserve_rng_state=True (the default).",
+            details=(detail,),
         ))
     return findings
 
@@ -185,25 +280,29 @@ def check_reentrant_calls(
         if log.calls_without_grad_input and trainable and not missing.get(region.name):
             findings.append(Finding(
                 "info", "reentrant-no-grad-input", name,
-                f"{name} uses the re-entrant engine, and in {log.calls_without_grad_input} of "
-                f"{log.grad_calls} call(s) none of its tensor inputs required grad (raw data, or "
-                f"a frozen embedding or LoRA base model before it). torch.utils.checkpoint with "
-                f"use_reentrant=True would silently drop the gradients of its {trainable} "
-                f"trainable parameter(s) there, with only a warning; ckptwrap's engine keeps "
-                f"them, and they match the plain step.",
+                f"{name} uses the re-entrant engine, and in some of its calls none of its "
+                f"tensor inputs required grad (raw data, or a frozen embedding or LoRA base "
+                f"model before it). torch.utils.checkpoint with use_reentrant=True would "
+                f"silently drop the gradients of its trainable parameters there, with only a "
+                f"warning; ckptwrap's engine keeps them, and they match the plain step.",
                 "nothing to change with ckptwrap; on torch's checkpoint use "
                 "use_reentrant=False, or make the region's input require grad.",
+                details=(
+                    f"{name}: no input requiring grad in {log.calls_without_grad_input} of "
+                    f"{log.grad_calls} call(s); {trainable} trainable parameter(s)",
+                ),
             ))
         if log.keyword_tensors:
             keys = ", ".join(sorted(log.keyword_tensors))
             findings.append(Finding(
                 "info", "reentrant-keyword-tensors", name,
-                f"{name} uses the re-entrant engine and gets tensors by keyword ({keys}). "
+                f"{name} uses the re-entrant engine and gets tensors by keyword. "
                 f"torch.utils.checkpoint with use_reentrant=True refuses keyword arguments "
                 f"('Unexpected keyword arguments'); ckptwrap's marking layer hands them to "
                 f"the engine positionally, so they take part in autograd like the others.",
                 "nothing to change for a marked module; a direct call ckptwrap.checkpoint(fn, "
                 "..., use_reentrant=True, key=tensor) raises, so pass them positionally there "
                 "or use use_reentrant=False.",
+                details=(f"{name} gets tensors by keyword: {keys}",),
             ))
     return findings

@@ -15,9 +15,9 @@ from ..wrap import PLAN_ATTRIBUTE, disabled, remove_pending
 from . import _checks
 from ._ddp import check_ddp
 from ._gradients import compare_gradients
-from ._regions import Region, find_regions
+from ._regions import Region, find_regions, region_running
 from ._report import DoctorReport, Finding, group_findings
-from ._steps import Observer, StepResult, copy_model, default_loss, run_step
+from ._steps import Observer, StepResult, copy_model, default_loss, recording_calls, run_step
 
 __all__ = ["doctor"]
 
@@ -42,18 +42,23 @@ def doctor(
       ``preserve_rng_state=False``;
     - ``reentrant-ddp`` (error, or warning while it still works): re-entrant regions
       under ``DistributedDataParallel`` without ``static_graph=True``;
-    - ``step-failed`` (error): the checkpointed step raises where the plain one does not;
+    - ``step-failed`` (error): the checkpointed step raises where the plain one does not
+      (in the region and with the fix the error names, where it names them: a selective
+      region whose saved operator output is changed in place, say);
     - ``no-savings`` (warning): a region whose inputs are about as big as the activations
       its checkpoint drops (it saves less than 10% of them);
-    - ``selected-twice`` (warning): a module checkpointed by two markings, or a region
-      nested inside another;
+    - ``selected-twice`` (warning): a module checkpointed by two markings, a region
+      nested inside another, or a region that transformers' own gradient checkpointing
+      also checkpoints (its ``gradient_checkpointing`` flag on);
     - ``not-called`` (warning): a region the forward never calls;
     - ``reentrant-no-grad-input``, ``reentrant-keyword-tensors`` (info): calls that
       torch's re-entrant variant gets wrong (it drops parameter gradients when no input
       requires grad, and refuses keyword arguments) and ckptwrap's handles.
 
     Findings that say the same about several modules (each layer of a model, say) are
-    reported once, with all those modules in ``Finding.modules``.
+    reported once, with all those modules in ``Finding.modules`` and what differs between
+    them in ``Finding.details``. A larger module the doctor suggests is always one the
+    forward calls (never a ``ModuleList`` that only holds modules).
 
     Args:
         model: The checkpointed model (a ``DistributedDataParallel`` wrapper is looked
@@ -96,8 +101,10 @@ def doctor(
     if not regions:
         findings.append(_no_regions(local))
     findings += _checks.check_selected_twice(regions, prefix)
+    findings += _checks.check_transformers_checkpointing(local, regions, prefix)
 
-    plain = _plain_step(plain_model, args, kwargs, loss)
+    with recording_calls(plain_model) as called:
+        plain = _plain_step(plain_model, args, kwargs, loss)
     with Observer(checkpointed_model, regions) as observer:
         try:
             checkpointed: Optional[StepResult] = run_step(
@@ -105,7 +112,7 @@ def doctor(
             )
         except Exception as error:  # reported: finding such failures is the doctor's job
             checkpointed = None
-            findings.append(_step_failed(error))
+            findings.append(_step_failed(error, regions, prefix))
     logs = observer.logs
     findings += check_ddp(model, checkpointed_model, regions, logs, prefix)
 
@@ -119,14 +126,14 @@ def doctor(
         findings += _checks.check_dropout_rng(regions, logs, prefix)
         findings += comparison.findings
         findings += _loss_mismatch(checkpointed, plain)
-        findings += _checks.check_not_called(regions, logs, prefix)
+        findings += _checks.check_not_called(regions, logs, called, prefix)
         findings += _checks.check_reentrant_calls(regions, logs, comparison.missing, prefix)
     if regions:
         measured = _profile(plain_model, regions, args, kwargs)
         if isinstance(measured, Finding):
             findings.append(measured)
         else:
-            findings += _checks.check_savings(regions, measured, prefix)
+            findings += _checks.check_savings(regions, measured, called, prefix)
     return DoctorReport(
         model=type(model).__name__,
         regions=tuple(_checks.display(prefix, region.name) for region in regions),
@@ -176,7 +183,7 @@ def _plain_step(model: nn.Module, args: Any, kwargs: Dict[str, Any], loss: Any) 
         ) from error
 
 
-def _summary(error: BaseException) -> str:
+def _summary(error: Union[BaseException, str]) -> str:
     """The start of the error's message, on one line: a few lines, at most 400 characters."""
     lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
     text = " ".join(lines[:4])
@@ -232,13 +239,29 @@ def _no_regions(model: nn.Module) -> Finding:
     )
 
 
-def _step_failed(error: BaseException) -> Finding:
+def _step_failed(error: BaseException, regions: List[Region], prefix: str) -> Finding:
+    """The failure, in the region it names and with the fix it gives, where it gives them
+    (a ``CheckpointError``'s ``module`` and ``fix``)."""
+    region = region_running(regions, getattr(error, "module", None))
+    fix = getattr(error, "fix", None)
+    text = str(error)
+    if fix:
+        text = text.replace(f"Fix: {fix}", "").strip()
+    if region is None:
+        return Finding(
+            "error", "step-failed", "",
+            f"the checkpointed step fails where the plain step runs: {type(error).__name__}: "
+            f"{_summary(text)}",
+            fix or "the message names the cause; the other findings may point at the region. "
+            "Run the step outside doctor for the full traceback.",
+        )
+    name = _checks.display(prefix, region.name)
     return Finding(
-        "error", "step-failed", "",
-        f"the checkpointed step fails where the plain step runs: {type(error).__name__}: "
-        f"{_summary(error)}",
-        "the message names the cause; the other findings may point at the region. Run the "
-        "step outside doctor for the full traceback.",
+        "error", "step-failed", name,
+        f"the checkpointed step fails in {name} where the plain step runs: "
+        f"{type(error).__name__}: {_summary(text)}",
+        fix or f"the message names the cause in {name}. Run the step outside doctor for the "
+        f"full traceback.",
     )
 
 

@@ -113,22 +113,29 @@ def _findings(
     region = group.region
     name = display(prefix, key or "")
     where = "outside the checkpointed regions" if key is None else f"in {name or 'the model'}"
+    label = "outside the regions" if key is None else name or "<model>"
     findings = []
     if group.missing:
         findings.append(Finding(
             "error", "missing-gradient", name,
-            f"{len(group.missing)} of {group.total} parameter(s) {where} get no gradient with "
-            f"checkpointing but do without it ({_examples(group.missing)})."
+            f"parameters {where} get no gradient with checkpointing but do without it."
             + _trap(key, region, logs),
             _missing_fix(name, region),
+            details=(
+                f"{label}: {len(group.missing)} of {group.total} parameter(s) "
+                f"({_examples(group.missing)})",
+            ),
         ))
     if group.differing:
         worst, difference = max(group.differing, key=lambda item: item[1])
         findings.append(Finding(
             _severity(group, checkpointed, plain), "gradient-mismatch", name,
-            f"{len(group.differing)} of {group.total} gradient(s) {where} differ from the "
-            f"plain step's (largest difference {difference:.3g}, in {worst}).",
+            f"gradients {where} differ from the plain step's.",
             _mismatch_fix(name or "the model", region),
+            details=(
+                f"{label}: {len(group.differing)} of {group.total} gradient(s) differ, the "
+                f"largest by {difference:.3g} (in {worst})",
+            ),
         ))
     return findings
 

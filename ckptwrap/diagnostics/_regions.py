@@ -12,7 +12,7 @@ from torch import nn
 from ..engine import CheckpointOptions
 from ..wrap import CheckpointWrapper, markings_of
 
-__all__ = ["Region", "find_regions", "markings_of"]
+__all__ = ["Region", "find_regions", "markings_of", "region_running"]
 
 Marking = Tuple[str, CheckpointOptions]
 
@@ -42,12 +42,16 @@ class Region:
         return any(not options.preserve_rng_state for _, options in self.markings)
 
     @property
+    def runs(self) -> nn.Module:
+        """The module whose forward runs checkpointed (the wrapped one, for a wrapper)."""
+        if isinstance(self.module, CheckpointWrapper):
+            return self.module.wrapped_module
+        return self.module
+
+    @property
     def kind(self) -> str:
         """Class name of the module it runs."""
-        module = self.module
-        if isinstance(module, CheckpointWrapper):
-            module = module.wrapped_module
-        return type(module).__name__
+        return type(self.runs).__name__
 
 
 def find_regions(model: nn.Module) -> List[Region]:
@@ -67,3 +71,8 @@ def find_regions(model: nn.Module) -> List[Region]:
         )
         regions.append(Region(name, module, tuple(markings), parent))
     return regions
+
+
+def region_running(regions: List[Region], module: object) -> Optional[Region]:
+    """The region whose checkpointed forward is ``module``'s, if there is one."""
+    return next((region for region in regions if region.runs is module), None)

@@ -41,6 +41,10 @@ class Finding:
     """Every module the finding applies to, in model order: ``(module,)`` unless the same
     thing was found in several alike modules (the layers of a model, say), which then share
     one finding whose message speaks of "each of these modules"."""
+    details: Tuple[str, ...] = ()
+    """What is particular to each module (sizes, counts, the submodules or parameters
+    concerned), one phrase each that names its module; a grouped finding holds those of
+    all its modules. The message and fix say what they have in common."""
 
     def __post_init__(self) -> None:
         if self.severity not in SEVERITIES:
@@ -54,6 +58,7 @@ class Finding:
                 f"{list(modules)!r}; give modules in model order, starting with module."
             )
         object.__setattr__(self, "modules", modules)
+        object.__setattr__(self, "details", tuple(self.details))
 
     @property
     def where(self) -> str:
@@ -61,7 +66,7 @@ class Finding:
         if len(self.modules) == 1:
             return self.module or "<model>"
         shown = list(self.modules)
-        if len(shown) > _SHOWN:
+        if len(shown) > _SHOWN + 1:  # "..." stands for two names at least
             shown = shown[: _SHOWN - 1] + ["...", shown[-1]]
         return f"{', '.join(name or '<model>' for name in shown)} ({len(self.modules)} modules)"
 
@@ -69,6 +74,7 @@ class Finding:
         """The fields as a JSON-friendly dict."""
         data = dataclasses.asdict(self)
         data["modules"] = list(self.modules)
+        data["details"] = list(self.details)
         return data
 
 
@@ -142,6 +148,8 @@ class DoctorReport:
             lines.append("")
             lines.append(f"{finding.severity.upper():<8}{finding.where}  [{finding.check}]")
             lines += _wrapped(finding.message, "  ")
+            for detail in _shown_details(finding.details):
+                lines += _wrapped(f"- {detail}", "  ")
             lines += _wrapped(f"fix: {finding.fix}", "  ")
         counts = ", ".join(
             f"{len(self._of(severity))} {severity}(s)" for severity in SEVERITIES
@@ -155,9 +163,11 @@ def group_findings(findings: Iterable[Finding]) -> List[Finding]:
     """One finding for each set of findings that say the same about different modules.
 
     Findings group when their severity and check are the same and their message and fix
-    are too once each one's own module name is set aside; a group of several becomes one
-    finding with all their modules, at the place of its first member. A repeated note on
-    every layer of a model thus prints once.
+    are too once each one's own module name is set aside; what differs from module to
+    module (sizes, counts, names inside it) is kept apart in ``details`` by every check, so
+    that it does not split a group. A group of several becomes one finding with all their
+    modules and details, at the place of its first member. The same finding on every
+    layer of a model thus prints once, with one fix.
 
     Args:
         findings: Findings in the order the checks made them (modules in model order).
@@ -183,8 +193,16 @@ def group_findings(findings: Iterable[Finding]) -> List[Finding]:
         grouped.append(Finding(
             severity, check, modules[0],
             message.replace("\0", _EACH), fix.replace("\0", _EACH), modules=modules,
+            details=tuple(detail for member in members for detail in member.details),
         ))
     return grouped
+
+
+def _shown_details(details: Tuple[str, ...]) -> List[str]:
+    """The details a printed report shows: the first few, then how many more there are."""
+    if len(details) <= _SHOWN + 1:
+        return list(details)
+    return [*details[:_SHOWN], f"... and {len(details) - _SHOWN} more"]
 
 
 def _without_names(text: str, names: Tuple[str, ...]) -> str:

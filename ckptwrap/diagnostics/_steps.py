@@ -17,7 +17,15 @@ from ..engine import flatten, is_recomputing, tensor_leaves, unflatten
 from ..wrap import disabled
 from ._regions import Region
 
-__all__ = ["CallLog", "Observer", "StepResult", "copy_model", "default_loss", "run_step"]
+__all__ = [
+    "CallLog",
+    "Observer",
+    "StepResult",
+    "copy_model",
+    "default_loss",
+    "recording_calls",
+    "run_step",
+]
 
 LossFn = Callable[[Any], torch.Tensor]
 
@@ -120,6 +128,30 @@ def run_step(
     grads = {name: _detached(p.grad) for name, p in model.named_parameters()}
     input_grads = {label: _detached(t.grad) for label, t in inputs}
     return StepResult(loss.detach(), grads, input_grads)
+
+
+@contextlib.contextmanager
+def recording_calls(model: nn.Module) -> Iterator[Set[str]]:
+    """The qualified names of the modules of ``model`` called inside the block, filled in
+    as they are called: containers that are never called (``ModuleList``, ``ModuleDict``)
+    and modules the forward goes around stay out. Forward hooks, removed on exit."""
+    called: Set[str] = set()
+    handles = [
+        module.register_forward_hook(_recorder(called, name))
+        for name, module in model.named_modules(remove_duplicate=False)
+    ]
+    try:
+        yield called
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _recorder(called: Set[str], name: str) -> Callable[..., None]:
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        called.add(name)
+
+    return hook
 
 
 def _describe(value: Any) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, ContextManager, Optional, Sequence, Tuple, Union
 
 import torch
+import torch.utils.checkpoint
 
 from .._errors import CheckpointConfigError
 from . import _state
@@ -50,7 +51,10 @@ def checkpoint(
         determinism_check: ``"default"`` compares shape, dtype and device of each
             recomputed tensor with the forward's; ``"none"`` skips the check.
         debug: Put the operators run in the forward and in the recomputation into any
-            :class:`CheckpointError`. Non-re-entrant only.
+            :class:`CheckpointError`. Non-re-entrant only. Inside torch's
+            ``torch.utils.checkpoint.set_checkpoint_debug_enabled(True or False)`` its
+            setting wins over this one, as it does for torch's own checkpoint (the
+            re-entrant engine, which has no operator log, ignores it, as torch's does).
         early_stop: End each recomputation once every tensor backward still needs has
             been recomputed. None uses :func:`set_checkpoint_early_stop`'s setting (True
             by default). Ignored by the re-entrant engine, which always reruns everything.
@@ -99,6 +103,9 @@ def checkpoint(
         )
     if use_reentrant:
         return run_reentrant(fn, args, preserve_rng_state=preserve_rng_state)
+    switched = getattr(torch.utils.checkpoint, "_checkpoint_debug_enabled", None)
+    if isinstance(switched, bool):  # torch.utils.checkpoint.set_checkpoint_debug_enabled
+        debug = switched
     return run_checkpointed(
         fn,
         args,

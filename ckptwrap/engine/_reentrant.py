@@ -12,9 +12,10 @@ exactly when it does in the plain run.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
+import torch.utils.checkpoint
 from torch.autograd.graph import saved_tensors_hooks
 
 from .._errors import CheckpointError
@@ -169,3 +170,21 @@ def run_reentrant(fn: Callable[..., Any], args: Tuple[Any, ...], *, preserve_rng
         tensors.append(torch.empty((), requires_grad=True))
     out_tensors = _ReentrantRegion.apply(region, preserve_rng_state, *tensors)
     return _tree.unflatten(_merge(out_tensors, region.out_leaves), region.out_spec)
+
+
+def reaches_reentrant(roots: Sequence[torch.Tensor]) -> bool:
+    """Whether backward from ``roots`` would pass through a re-entrant region (this
+    engine's, or ``torch.utils.checkpoint``'s with ``use_reentrant=True``), which only a
+    full ``.backward()`` can serve: ``torch.autograd.grad`` there is an error."""
+    kinds = (_ReentrantRegion, getattr(torch.utils.checkpoint, "CheckpointFunction", _ReentrantRegion))
+    seen: set = set()
+    stack = [t.grad_fn for t in roots if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if getattr(type(node), "_forward_cls", None) in kinds:
+            return True
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return False

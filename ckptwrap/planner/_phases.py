@@ -8,16 +8,15 @@ checkpoint keeps) count too: on accelerators from its peak statistics, on the CP
 counted at operators' outputs through a dispatch mode, in the order the program makes
 them, so that the same code at another shape gives as many, in the same order. While a
 profiler of the caller's is running on the CPU, none is started inside it (that would end
-the caller's session): peaks are then the moments' highest.
+the caller's session): peaks are then the moments' highest. Some torch builds' profiler
+library writes a line to stderr as a session starts and stops; they are left to go where
+the process sends stderr, since hiding them would redirect the whole process's.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
 import time
-from typing import Any, Iterator, List, NamedTuple, Optional, Tuple
+from typing import Any, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -78,8 +77,7 @@ class PhaseMeter:
             self._module.reset_peak_memory_stats(self.device)
         elif not profiler_running():
             self._profiler = _memory_profiler()
-            with _stderr_silenced():
-                self._profiler.__enter__()
+            self._profiler.__enter__()
         self._counter = _PhaseCounter(self.device.type).__enter__()
         self._times.append(time.perf_counter())
         return self
@@ -90,8 +88,7 @@ class PhaseMeter:
         self._counter.__exit__(*exc)
         found = self._counted
         if self._profiler is not None:
-            with _stderr_silenced():
-                self._profiler.__exit__(*exc)
+            self._profiler.__exit__(*exc)
             peaks = _profiled_peaks(self._profiler, len(found))
             found = [(max(peak, at), moments) for (peak, moments), at in zip(found, peaks)]
         seconds = [b - a for a, b in zip(self._times, self._times[1:])]
@@ -121,25 +118,6 @@ def _memory_profiler() -> Any:
     from torch.profiler import ProfilerActivity, profile
 
     return profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
-
-
-@contextlib.contextmanager
-def _stderr_silenced() -> Iterator[None]:
-    """Hide the lines the profiler library writes to file descriptor 2 as it starts and
-    stops; nothing else runs meanwhile."""
-    try:
-        sys.stderr.flush()
-        saved = os.dup(2)
-    except (OSError, ValueError):  # no real descriptor 2 (an embedded interpreter)
-        yield
-        return
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-            yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
 
 
 def _profiled_peaks(profiler: Any, phases: int) -> List[int]:

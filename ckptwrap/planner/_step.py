@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from .._hf import cache_free_arguments, fresh_caches
-from ..engine import checkpoint, is_recomputing
+from ..engine import checkpoint, is_recomputing, reaches_reentrant
 from ..measure import differentiable, tensors
 from ._phases import Phase, PhaseMeter
 from ._timing import RngState
@@ -147,7 +147,9 @@ def measure_step(
                 roots, grads = _loss(output if loss_fn is None else loss_fn(output))
                 del output
                 wanted = [p for p in model.parameters() if p.requires_grad]
-                if roots and wanted:
+                if roots and wanted and reaches_reentrant(roots):
+                    _backward_keeping_grads(roots, grads, wanted)
+                elif roots and wanted:
                     # Returned, not accumulated: the caller's .grad fields stay as they were.
                     torch.autograd.grad(roots, wanted, grads, allow_unused=True)
                 del roots, grads
@@ -158,6 +160,42 @@ def measure_step(
             else:
                 module.forward = forward
     return _by_phase(phases.phases, phases.at_allocator)
+
+
+def _backward_keeping_grads(
+    roots: List[torch.Tensor], grads: List[Optional[torch.Tensor]], parameters: List[torch.Tensor]
+) -> None:
+    """Backward from ``roots`` through a re-entrant region (a checkpoint inside the model
+    with ``use_reentrant=True``, which ``torch.autograd.grad`` cannot pass): accumulated
+    into fresh ``.grad`` fields, as a step from zeroed gradients does, then put back as
+    the caller had them. A re-entrant region's own parameters are reached only by the
+    backward it runs inside, so every parameter is kept besides the leaves in the graph."""
+    leaves = list({id(t): t for t in [*parameters, *_leaves(roots)]}.values())
+    kept = [(leaf, leaf.grad) for leaf in leaves]
+    for leaf in leaves:
+        leaf.grad = None
+    try:
+        torch.autograd.backward(roots, grads)
+    finally:
+        for leaf, grad in kept:
+            leaf.grad = grad
+
+
+def _leaves(roots: List[torch.Tensor]) -> List[torch.Tensor]:
+    """The leaf tensors whose ``.grad`` a backward from ``roots`` accumulates into."""
+    found: Dict[int, torch.Tensor] = {}
+    seen: set = set()
+    stack = [t.grad_fn for t in roots if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, torch.Tensor):
+            found[id(variable)] = variable
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return list(found.values())
 
 
 def _by_phase(phases: List[Phase], at_allocator: bool) -> StepPeaks:

@@ -1,32 +1,24 @@
-"""``wrap_model`` and ``unwrap_model``: mark the modules a policy selects, in place.
-
-A module is marked by giving the instance a ``forward`` attribute that runs the class's
-forward as a checkpointed region. Nothing is renamed, re-parented or re-classed, so
-qualified names, state dicts, ``type()`` and optimizer state are the same before, after
-and after unwrapping.
-"""
+"""``wrap_model`` and ``unwrap_model``: mark the modules a policy selects, in place (see
+``_marks``), plan a ``budget:`` policy per shape (``_per_shape``), and keep transformers'
+own gradient checkpointing off meanwhile (``_transformers``)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Sequence
 
-import torch
-import torch.distributed as dist
 from torch import nn
 
 from .._errors import CheckpointConfigError
-from .._warn import note
-from ..planner import Plan, PlanEntry, ShapePlanner, as_example, is_measuring
-from ._forwards import _CheckpointedForward, _SegmentMember, entry_options
+from ..planner import Plan, as_example
+from ._marks import PLAN_ATTRIBUTE, apply_plan, unmark
+from ._per_shape import PlanPerShape, remove_pending
 from ._planning import _select, measured, plan, refuse_inference, shape_planner
 from ._ranks import agreement
+from ._transformers import TransformersSwitch, switch_of
 
-__all__ = ["wrap_model", "unwrap_model", "remove_pending", "PLAN_ATTRIBUTE"]
-
-PLAN_ATTRIBUTE = "ckptwrap_plan"
+__all__ = ["wrap_model", "unwrap_model", "remove_pending", "uncompiled", "PLAN_ATTRIBUTE"]
 
 
 def wrap_model(
@@ -89,13 +81,45 @@ def wrap_model(
             f"follow_shapes must be True, False or None (the default: plan each training "
             f"forward's shape), got {follow_shapes!r}."
         )
+    given, model = model, uncompiled(model)
     # Everything that can be checked without costs is checked now.
     unmeasured, budget = _select(model, policy, nested, options)
+    _refuse_stacking(model, unmeasured, budget)
+    with _transformers_off(model, budget is not None or bool(unmeasured.selected)):
+        _wrap(
+            model, policy, nested, example_inputs, example_kwargs, follow_shapes, loss_fn,
+            max_shapes, options, unmeasured, budget,
+        )
+    return given
+
+
+def uncompiled(model: Any) -> Any:
+    """The model that ``torch.compile(model)`` compiled, for its ``OptimizedModule``: marks go
+    on the model itself, under its own names, and the compiled module runs them."""
+    if type(model).__name__ != "OptimizedModule":
+        return model
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) else model
+
+
+def _wrap(
+    model: nn.Module,
+    policy: Any,
+    nested: bool,
+    example_inputs: Any,
+    example_kwargs: Optional[Dict[str, Any]],
+    follow_shapes: Optional[bool],
+    loss_fn: Optional[Callable[[Any], Any]],
+    max_shapes: Optional[Mapping[Any, Sequence[int]]],
+    options: Dict[str, Any],
+    unmeasured: Plan,
+    budget: Any,
+) -> nn.Module:
     if budget is None:
         if example_inputs is None and example_kwargs is None:
-            _apply(model, unmeasured)
+            apply_plan(model, unmeasured)
         else:
-            _apply(model, plan(
+            apply_plan(model, plan(
                 model, policy, nested=nested, example_inputs=example_inputs,
                 example_kwargs=example_kwargs, loss_fn=loss_fn, **options,
             ))
@@ -107,7 +131,7 @@ def wrap_model(
     planner = shape_planner(
         model, policy, unmeasured, budget, loss_fn, max_shapes, agree=agreement(model, unmeasured)
     )
-    hook = _PlanPerShape(planner, unmeasured, follow_shapes)
+    hook = PlanPerShape(planner, unmeasured, follow_shapes)
     if example_inputs is None and example_kwargs is None:
         remove_pending(model)
         model.register_forward_pre_hook(hook, with_kwargs=True)
@@ -117,221 +141,78 @@ def wrap_model(
     refuse_inference(budget, unmeasured, args, kwargs)
     applied = measured(unmeasured, planner.choose(model, args, kwargs, strict=True))
     remove_pending(model)
-    _apply(model, applied)
+    apply_plan(model, applied)
     hook.applied = applied
     model.register_forward_pre_hook(hook, with_kwargs=True)
     return model
 
 
+@contextlib.contextmanager
+def _transformers_off(model: nn.Module, marks: bool) -> Iterator[None]:
+    """Keep transformers' own gradient checkpointing off in ``model`` while ckptwrap
+    checkpoints anything in it: off now if ``marks``, and off before any later training
+    forward that finds it on. Put back as it was if wrapping fails."""
+    switch = switch_of(model)
+    registered = switch is None
+    if switch is None:
+        switch = TransformersSwitch(model, _marks_anything)
+        if not switch.flagged:
+            yield
+            return
+    before = len(switch.turned_off)
+    if marks:
+        switch.switch_off(model, force=True)
+    try:
+        yield
+    except BaseException:
+        for module in switch.turned_off[before:]:
+            module.gradient_checkpointing = True
+        del switch.turned_off[before:]
+        raise
+    if registered:
+        # Before the planning hook, which must measure the model as ckptwrap will run it.
+        model.register_forward_pre_hook(switch, with_kwargs=True, prepend=True)
+
+
+def _refuse_stacking(model: nn.Module, unmeasured: Plan, budget: Any) -> None:
+    """A ``budget:`` policy plans from the model's un-checkpointed costs, and switches its
+    marks per shape: it cannot go on top of another wrapping, nor another under it."""
+    existing = model.__dict__.get(PLAN_ATTRIBUTE)
+    if not isinstance(existing, Plan) or _same_wrapping(existing, unmeasured):
+        return  # wrapping twice alike: a no-op, or the same budget measured now
+    planned = any(isinstance(hook, PlanPerShape) for hook in model._forward_pre_hooks.values())
+    if budget is not None and (existing.pending or existing.selected):
+        what = f"a budget: policy ({unmeasured.policy!r}) plans from the model's un-checkpointed costs"
+    elif planned and unmeasured.selected:
+        what = (
+            f"its marks change with the shape of each training forward, so {unmeasured.policy!r} "
+            f"cannot be added over them"
+        )
+    else:
+        return
+    raise CheckpointConfigError(
+        f"{type(model).__name__} is already wrapped with {existing.policy!r}, and {what}. Call "
+        f"ckptwrap.unwrap_model(model) first, or write both in one policy (e.g. "
+        f"'blocks;budget:50%' lets the budget choose among the blocks)."
+    )
+
+
+def _marks_anything(model: nn.Module) -> bool:
+    plan = model.__dict__.get(PLAN_ATTRIBUTE)
+    return isinstance(plan, Plan) and (plan.pending or bool(plan.selected))
+
+
 def _applied_already(model: nn.Module, unmeasured: Plan) -> bool:
     """Whether ``model`` carries a measured plan of the same policy, options and tier."""
     existing = model.__dict__.get(PLAN_ATTRIBUTE)
-    return (
-        isinstance(existing, Plan)
-        and not existing.pending
-        and (existing.policy, existing.options, existing.tier, existing.nested)
-        == (unmeasured.policy, unmeasured.options, unmeasured.tier, unmeasured.nested)
+    return isinstance(existing, Plan) and not existing.pending and _same_wrapping(existing, unmeasured)
+
+
+def _same_wrapping(existing: Plan, unmeasured: Plan) -> bool:
+    return (existing.policy, existing.options, existing.tier, existing.nested) == (
+        unmeasured.policy, unmeasured.options, unmeasured.tier, unmeasured.nested
     )
 
-
-def _apply(model: nn.Module, applied: Plan) -> None:
-    modules = _mark(model, applied)
-    setattr(model, PLAN_ATTRIBUTE, _recorded(model, applied, modules))
-
-
-def _mark(model: nn.Module, applied: Plan) -> Dict[str, nn.Module]:
-    """Give the modules ``applied`` selects their checkpointed forwards; returns the
-    model's modules by name."""
-    modules = dict(model.named_modules())
-    offload = applied.tier == "offload"
-    members: Dict[str, _SegmentMember] = {}
-    for entry in applied.selected:
-        if entry.joins is not None:
-            module = modules[entry.name]
-            members[entry.name] = _SegmentMember(module, applied.options, module.__dict__.get("forward"))
-    follower = {entry.joins: entry.name for entry in applied.selected if entry.joins is not None}
-    for entry in applied.selected:
-        module = modules[entry.name]
-        if entry.name in members:
-            module.forward = members[entry.name]
-            continue
-        chain: List[_SegmentMember] = []
-        name = follower.get(entry.name)
-        while name is not None:
-            chain.append(members[name])
-            name = follower.get(name)
-        options = entry_options(applied.options, entry.saved_ops)
-        module.forward = _CheckpointedForward(
-            module, options, module.__dict__.get("forward"), offload, tuple(chain)
-        )
-    return modules
-
-
-def _unmark(modules: Iterable[nn.Module]) -> None:
-    """Take the checkpointed forwards ``wrap_model`` gave off ``modules``."""
-    for module in modules:
-        forward = module.__dict__.get("forward")
-        if isinstance(forward, (_CheckpointedForward, _SegmentMember)):
-            if forward.previous is not None:
-                module.forward = forward.previous
-            else:
-                del module.forward
-
-
-def _recorded(model: nn.Module, applied: Plan, modules: Dict[str, nn.Module]) -> Plan:
-    """The plan to keep on ``model`` after applying ``applied`` over what it had.
-
-    Wrapping again finds the modules an earlier ``wrap_model`` marked "already
-    checkpointed" and selects none of them; the kept plan must still list them, since
-    they are checkpointed.
-    """
-    existing = model.__dict__.get(PLAN_ATTRIBUTE)
-    if not isinstance(existing, Plan) or existing.pending:
-        return applied
-    kept = [
-        entry for entry in existing.selected
-        if entry.name in modules
-        and isinstance(modules[entry.name].__dict__.get("forward"), (_CheckpointedForward, _SegmentMember))
-    ]
-    selected = _in_model_order(modules, [*kept, *applied.selected])
-    names = {entry.name for entry in selected}
-    dropped = [item for item in existing.dropped if item[0] not in names]
-    dropped += [item for item in applied.dropped if item[0] not in names and item not in dropped]
-    # Nothing new marked: the predictions measured for the existing plan still hold.
-    base = applied if applied.selected else existing
-    return dataclasses.replace(
-        base,
-        policy=existing.policy if existing.policy == applied.policy else f"{existing.policy} + {applied.policy}",
-        selected=selected,
-        dropped=tuple(dropped),
-    )
-
-
-def _in_model_order(modules: Dict[str, nn.Module], entries: List[PlanEntry]) -> Tuple[PlanEntry, ...]:
-    """``entries`` sorted as ``model.named_modules()`` lists their modules."""
-    order = {name: position for position, name in enumerate(modules)}
-    return tuple(sorted(entries, key=lambda entry: order[entry.name]))
-
-
-class _PlanPerShape:
-    """Forward pre-hook of a model wrapped with a ``budget:`` policy: before each training
-    forward goes on, it asks the planner for the plan of that forward's inputs (measuring
-    costs on the first, a solve from then on) and switches the marks if the plan differs
-    from the one applied.
-
-    Switching only between forwards is safe for a backward still pending: each forward
-    captured the function and options it ran with, and its recomputation uses those.
-    """
-
-    def __init__(self, planner: ShapePlanner, unmeasured: Plan, follow_shapes: Optional[bool]) -> None:
-        self.planner = planner
-        self.unmeasured = unmeasured  # the selection the planner chooses among
-        self.follow_shapes = follow_shapes
-        self.applied: Optional[Plan] = None  # the plan whose modules this hook marked
-
-    def __call__(self, model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
-        if is_measuring() or not torch.is_grad_enabled() or not model.training:
-            return None  # not a training forward of the caller's
-        if self.applied is not None and (torch.compiler.is_compiling() or self.follow_shapes is False):
-            return None  # compiled code keeps the plan it was traced with
-        record = model.__dict__.get(PLAN_ATTRIBUTE)
-        previous = self.applied
-        choice = self.planner.choose(
-            model, args, kwargs, strict=False, around=functools.partial(_unmarked, model, previous)
-        )
-        new = measured(self.unmeasured, choice)
-        if previous is not None and _same_marks(previous, new):
-            self.applied = new
-            if isinstance(record, Plan) and not record.pending:
-                setattr(model, PLAN_ATTRIBUTE, dataclasses.replace(record, **_predictions(new)))
-            return None
-        if previous is None:
-            _apply(model, new)
-            self.applied = new
-        else:
-            _unmark(_named(model, previous))
-            self._mark_recorded(model, new, record)
-        shapes = self.planner.layout_of(args, kwargs) or "these inputs"
-        verb = "applied" if previous is None else "switched to"
-        note(
-            f"ckptwrap {verb} {new.policy!r} for {type(model).__name__}'s inputs of {shapes}: "
-            f"{len(new)} module(s) checkpointed, {(new.predicted_peak or 0) / 2**20:.1f} MiB "
-            f"predicted at the training step's peak (model.ckptwrap_plan has the details)."
-        )
-        return None
-
-    def _mark_recorded(self, model: nn.Module, new: Plan, record: Any) -> None:
-        """Mark ``new``'s modules (this hook's old ones are unmarked) and record it as the
-        model's plan, beside what other wrappings marked."""
-        modules = _mark(model, new)
-        old = set(self.applied.names) if self.applied is not None else set()
-        self.applied = new
-        if not isinstance(record, Plan) or record.pending:
-            setattr(model, PLAN_ATTRIBUTE, new)
-            return
-        others = [entry for entry in record.selected if entry.name not in old]
-        selected = _in_model_order(modules, [*others, *new.selected])
-        names = {entry.name for entry in selected}
-        setattr(model, PLAN_ATTRIBUTE, dataclasses.replace(
-            new,
-            policy=record.policy,
-            selected=selected,
-            dropped=tuple(item for item in new.dropped if item[0] not in names),
-        ))
-
-
-@contextlib.contextmanager
-def _unmarked(model: nn.Module, applied: Optional[Plan]) -> Iterator[None]:
-    """While the planner measures the model from inside its training forward: without the
-    marks of ``applied`` (costs are measured as the model runs unmarked), put back after.
-
-    An FSDP2 model's own parameters are gathered again afterwards: FSDP2 gathered them
-    before this hook ran, and the measured step's backward sharded them once more, so the
-    forward that goes on would meet sharded ones."""
-    marks = [(module, module.__dict__.get("forward")) for module in _named(model, applied)]
-    _unmark(module for module, _ in marks)
-    try:
-        yield
-    finally:
-        for module, forward in marks:
-            if forward is not None:
-                module.forward = forward
-        fsdp = getattr(dist, "fsdp", None) if dist.is_available() else None
-        module_class = getattr(fsdp, "FSDPModule", None)
-        if module_class is not None and isinstance(model, module_class):
-            model.unshard()
-
-
-def _same_marks(old: Plan, new: Plan) -> bool:
-    """Whether two plans mark the same modules the same way (predictions aside)."""
-    def marks(plan: Plan) -> List[Tuple[Any, ...]]:
-        return [(e.name, e.joins, e.saved_ops, e.option) for e in plan.selected]
-
-    return marks(old) == marks(new)
-
-
-def _predictions(plan: Plan) -> Dict[str, Any]:
-    return {
-        "budget": plan.budget,
-        "activation_bytes": plan.activation_bytes,
-        "predicted_peak": plan.predicted_peak,
-        "plain_peak": plan.plain_peak,
-    }
-
-
-def _named(model: nn.Module, applied: Optional[Plan]) -> List[nn.Module]:
-    """The modules ``applied`` selects (none for no plan)."""
-    modules = dict(model.named_modules())
-    return [modules[name] for name in (applied.names if applied else []) if name in modules]
-
-
-def remove_pending(model: nn.Module) -> None:
-    """Remove the hook that plans a ``budget:`` policy, with the costs and plans it keeps
-    (the modules it marked stay marked)."""
-    for key, hook in list(model._forward_pre_hooks.items()):
-        if isinstance(hook, _PlanPerShape):
-            del model._forward_pre_hooks[key]
-            model._forward_pre_hooks_with_kwargs.pop(key, None)
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -348,7 +229,15 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     """
     if not isinstance(model, nn.Module):
         raise CheckpointConfigError(f"expected an nn.Module to unwrap, got {type(model).__name__}.")
-    _unmark(model.modules())
+    given, model = model, uncompiled(model)
+    unmark(model.modules())
     remove_pending(model)
+    switch = switch_of(model)
+    if switch is not None:
+        switch.turn_back_on()
+        for key, hook in list(model._forward_pre_hooks.items()):
+            if hook is switch:
+                del model._forward_pre_hooks[key]
+                model._forward_pre_hooks_with_kwargs.pop(key, None)
     model.__dict__.pop(PLAN_ATTRIBUTE, None)
-    return model
+    return given

@@ -15,6 +15,7 @@ import torch
 from torch.nn.modules.batchnorm import _NormBase
 from torch.utils._python_dispatch import _disable_current_modes
 
+from .._errors import CheckpointConfigError
 from ..engine import checkpoint, is_recomputing
 from ._clients import without_cache_writes
 from ._distributed import check_reentrant_region
@@ -150,18 +151,35 @@ def run_offloaded(
 
     Nothing is recomputed. On CUDA (and accelerators with streams) saved tensors go to
     pinned host buffers on a side stream and come back ahead of the region's backward
-    (see ``_offload``); on the CPU this moves nothing and only marks the region.
+    (see ``_offload``); on the CPU this moves nothing and only marks the region. Under
+    ``torch.compile`` it is refused with a :class:`CheckpointConfigError`.
     """
     compiling = torch.compiler.is_compiling()
     if _switched_off(compiling):
         return call(*args, **kwargs)
     if compiling:
-        # The compiler traces torch's own hooks but not streams and finalizers in Python.
-        # Pinned memory needs CUDA; whether it is in use is one flag read.
-        with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_initialized()):
-            return call(*args, **kwargs)
+        _refuse_compiled(owner)
     with default_offloader().region(owner):
         return call(*args, **kwargs)
+
+
+_OFFLOAD_COMPILED = (
+    "the offload tier cannot run under torch.compile: its copies to host memory are "
+    "saved-tensor hooks with side streams, which the compiler does not trace. Compile the "
+    "model without ';offload' (the compiler's own activation_memory_budget recomputes "
+    "instead), or run the offloaded model eagerly."
+)
+
+
+def _refuse(owner: torch.nn.Module) -> None:
+    raise CheckpointConfigError(f"{type(owner).__name__}: {_OFFLOAD_COMPILED}")
+
+
+# Raised eagerly, outside the graph; under fullgraph=True the compiler reports the reason.
+try:
+    _refuse_compiled = torch.compiler.disable(_refuse, reason=_OFFLOAD_COMPILED)
+except TypeError:  # a torch whose disable() takes no reason
+    _refuse_compiled = torch.compiler.disable(_refuse)
 
 
 class _KeywordsFirst:

@@ -2,19 +2,31 @@
 
 ``SelectiveContexts`` (the ``selective`` tier) saves every call of the named operators;
 ``SavedInstances`` (a budget plan's selective level) saves chosen calls, named by operator
-and occurrence. Both build on torch's ``create_selective_checkpoint_contexts`` and are
-handed to the engine as ``context_fn``; small classes rather than closures, so wrapped
-models still pickle.
+and occurrence. Both build the contexts torch's ``create_selective_checkpoint_contexts``
+builds and are handed to the engine as ``context_fn``; small classes rather than closures,
+so wrapped models still pickle. A saved output changed in place before backward fails as
+a ``CheckpointError`` naming the module, the operator and the fix.
 """
 
 from __future__ import annotations
 
 import functools
 from collections import defaultdict
-from typing import Any, ContextManager, Dict, Iterable, Tuple
+from types import TracebackType
+from typing import Any, ContextManager, Dict, Iterable, Optional, Tuple, Type
 
+from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+# torch's own two modes, which create_selective_checkpoint_contexts pairs over one storage;
+# the recomputation's is extended to name what its bare error leaves out. Private: a torch
+# without them gets its own contexts, and its own bare error.
+try:
+    from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
+except ImportError:
+    _CachedTorchDispatchMode = _CachingTorchDispatchMode = None  # type: ignore[assignment,misc]
+
+from .._errors import CheckpointError
 from ..planner import packet_name
 from ..policy import resolve_ops
 
@@ -44,7 +56,7 @@ class SelectiveContexts(_ByValue):
     """``context_fn`` that saves the outputs of ``ops`` and recomputes the rest."""
 
     def __new__(cls, ops: Tuple[str, ...]) -> "SelectiveContexts":
-        return super().__new__(cls, create_selective_checkpoint_contexts, _SavePolicy(tuple(ops)))
+        return super().__new__(cls, _contexts, _SavePolicy(tuple(ops)))
 
     @property
     def ops(self) -> Tuple[str, ...]:
@@ -69,6 +81,21 @@ class _SavePolicy:
         if getattr(op, "overloadpacket", op) in self._packets:
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def fix_for(self, op: Any) -> str:
+        """What to change when the saved output of ``op`` (None: not known) was mutated."""
+        whole = "checkpoint the module whole (the same policy without its selective term)"
+        packet = getattr(op, "overloadpacket", op)
+        named = [name for name in self.ops if packet in resolve_ops((name,))]
+        rest = [name for name in self.ops if name not in named]
+        if not named:
+            return f"leave that operator out of selective:OP,..., or {whole}."
+        if not rest:
+            return whole[0].upper() + whole[1:] + "."
+        return (
+            f"leave {','.join(named)} out of the saved operators (selective:{','.join(rest)}), "
+            f"or {whole}."
+        )
 
     def __reduce__(self) -> Tuple[Any, ...]:
         return (_SavePolicy, (self.ops,))
@@ -106,7 +133,7 @@ class SavedInstances(_ByValue):
 
 
 def _instance_contexts(instances: Tuple[Instance, ...]) -> Tuple[ContextManager, ContextManager]:
-    return create_selective_checkpoint_contexts(_InstancePolicy(instances))
+    return _contexts(_InstancePolicy(instances))
 
 
 class _InstancePolicy:
@@ -130,3 +157,80 @@ class _InstancePolicy:
         if (name, index) in self._wanted:
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def fix_for(self, op: Any) -> str:
+        """What to change when the saved output of ``op`` was mutated."""
+        return (
+            "a budget plan chose to save this output: add the recompute term to the policy "
+            "(budget:...;recompute) so that the plan checkpoints modules whole."
+        )
+
+
+_MUTATED = "Tensor cached during selective activation checkpoint has been mutated"
+"""The start of torch's message when a saved output was changed in place before backward."""
+
+
+def _contexts(policy: Any) -> Tuple[ContextManager, ContextManager]:
+    """The forward's and the recomputation's context of selective checkpointing under
+    ``policy``, as ``create_selective_checkpoint_contexts(policy)`` makes them."""
+    if _CachedTorchDispatchMode is None:
+        return create_selective_checkpoint_contexts(policy)
+    storage: Dict[Any, Dict[int, Any]] = defaultdict(dict)
+    return _CachingTorchDispatchMode(policy, storage), _Recomputation(storage, policy)
+
+
+class _Recomputation(_CachedTorchDispatchMode or object):  # type: ignore[misc]
+    """torch's recomputation mode, whose bare error for a saved output that was changed in
+    place becomes a ``CheckpointError`` naming the module, the operator and the fix.
+
+    The error is converted as it leaves the mode, from its traceback, so operators that
+    run normally pay nothing for it.
+    """
+
+    def __init__(self, storage: Dict[Any, Dict[int, Any]], policy: Any) -> None:
+        super().__init__(None, storage)
+        self._policy = policy
+
+    def __exit__(
+        self,
+        kind: Optional[Type[BaseException]],
+        error: Optional[BaseException],
+        trace: Optional[TracebackType],
+    ) -> Any:
+        suppressed = super().__exit__(kind, error, trace)
+        if (
+            isinstance(error, RuntimeError)
+            and not isinstance(error, CheckpointError)
+            and str(error).startswith(_MUTATED)
+        ):
+            module, op = self._culprits(trace)
+            raise _mutation_error(module, op, self._policy.fix_for(op)) from error
+        return suppressed
+
+    def _culprits(self, trace: Optional[TracebackType]) -> Tuple[Optional[nn.Module], Any]:
+        """The region's module (the outermost module whose forward the traceback passes
+        through) and the operator this mode was serving when the error was raised."""
+        module, op = None, None
+        while trace is not None:
+            local = trace.tb_frame.f_locals
+            owner = local.get("self")
+            if module is None and isinstance(owner, nn.Module):
+                module = owner
+            if owner is self and op is None:
+                op = local.get("func")
+            trace = trace.tb_next
+        return module, op
+
+
+def _mutation_error(module: Optional[nn.Module], op: Any, fix: str) -> CheckpointError:
+    where = type(module).__name__ if module is not None else "A checkpointed function"
+    saved = f"the output of {op}" if op is not None else "an operator's output"
+    error = CheckpointError(
+        f"{where} is checkpointed at a selective level, which keeps {saved} from its "
+        f"forward for the backward, and that output was then changed in place (by the "
+        f"forward itself or by code after it), so the recomputation cannot use it. "
+        f"Fix: {fix}"
+    )
+    error.module = module
+    error.fix = fix
+    return error

@@ -64,7 +64,7 @@ def _step(model: nn.Module, seed: int, *, cache: bool = True) -> torch.Tensor:
         batch["use_cache"] = False
     torch.manual_seed(seed)
     with warnings.catch_warnings():
-        # The checkpointed layers say once that they run without writing the cache.
+        # transformers warns of its own cache handling; not what is tested here.
         warnings.simplefilter("ignore")
         output = model(**batch)
     output.loss.backward()

@@ -148,3 +148,62 @@ def rng_broken_stack() -> nn.Module:
 def not_a_model() -> int:
     """Returns something that is not a module."""
     return 3
+
+
+# --------------------------------------------------------------------- models of issue reports
+
+
+class Projection(nn.Module):
+    """One linear projection: it keeps only its input, so checkpointing it saves nothing."""
+
+    def __init__(self, width: int = WIDTH) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+class DecodeHead(nn.Module):
+    """Like Segformer's decode head: projections held in a ModuleList the head iterates."""
+
+    def __init__(self, count: int = 4) -> None:
+        super().__init__()
+        self.linear_projections = nn.ModuleList(Projection() for _ in range(count))
+        self.fuse = nn.Linear(count * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fuse(torch.cat([torch.tanh(p(x)) for p in self.linear_projections], dim=-1))
+
+
+class Segmenter(nn.Module):
+    """A model whose decode head holds its projections in a ModuleList, never called."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decode_head = DecodeHead()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decode_head(x)
+
+
+class Recurrent(nn.Module):
+    """An LSTMCell run over time steps (inputs are ``(steps, batch, WIDTH)``); the cell adds
+    to the output of its own ``addmm`` in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = nn.LSTMCell(WIDTH, WIDTH)
+        self.head = nn.Linear(WIDTH, 2)
+
+    def forward(self, xs: torch.Tensor) -> torch.Tensor:
+        h = xs.new_zeros(xs.shape[1], WIDTH)
+        c = xs.new_zeros(xs.shape[1], WIDTH)
+        for x in xs:
+            h, c = self.cell(x, (h, c))
+        return self.head(h)
+
+
+def sequence(steps: int = 3, batch: int = 2) -> torch.Tensor:
+    """Example inputs of ``Recurrent``, from a private generator."""
+    return torch.randn(steps, batch, WIDTH, generator=torch.Generator().manual_seed(2))

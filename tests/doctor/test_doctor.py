@@ -97,15 +97,14 @@ def test_keyword_inputs_and_input_gradients_are_compared():
 def test_dropout_without_rng_state_is_an_error_and_gradients_differ():
     report = doctor(wrapped_stack(preserve_rng_state=False), inputs())
     assert not report.ok
-    rng = found(report, "dropout-rng")
-    assert [f.module for f in rng] == LAYERS
-    assert {f.severity for f in rng} == {"error"}
-    assert "layers.0.drop" in rng[0].message
-    assert "preserve_rng_state=True" in rng[0].fix
+    [rng] = found(report, "dropout-rng")  # one finding for the three alike layers
+    assert rng.modules == tuple(LAYERS) and rng.severity == "error"
+    assert rng.details == tuple(f"{name} has dropout ({name}.drop)" for name in LAYERS)
+    assert "preserve_rng_state=True" in rng.fix
     # The consequence, found by comparing gradients: against the control below, whose
     # only difference is that the RNG state is replayed.
     mismatch = found(report, "gradient-mismatch")
-    assert LAYERS[0] in [f.module for f in mismatch]
+    assert LAYERS[0] in mismatch[0].modules
     assert "preserve_rng_state=True" in mismatch[0].fix
     assert report.max_grad_difference > 0
     control = doctor(wrapped_stack(preserve_rng_state=True), inputs())
@@ -119,6 +118,7 @@ def test_functional_dropout_is_caught_by_its_random_draws():
     [finding] = found(report, "dropout-rng")
     assert finding.module == "first"
     assert "draws random numbers" in finding.message
+    assert "functional dropout" in finding.details[0]
     assert modules(report, "gradient-mismatch")[0] == "first"
 
 
@@ -126,7 +126,8 @@ def test_dropout_is_fine_in_eval_mode_but_the_doctor_trains():
     model = wrapped_stack(preserve_rng_state=False).eval()
     report = doctor(model, inputs())
     assert modules(report, "train-mode") == [""]
-    assert modules(report, "dropout-rng") == LAYERS
+    [rng] = found(report, "dropout-rng")
+    assert rng.modules == tuple(LAYERS)
     assert not model.training  # the caller's model keeps its mode
 
 
@@ -163,9 +164,9 @@ def test_parameters_without_gradient_are_an_error():
     report = doctor(model, inputs())
     missing = {f.module: f for f in found(report, "missing-gradient")}
     assert missing["second"].severity == "error"
-    assert "second.inner.fc.weight" in missing["second"].message
+    assert "second.inner.fc.weight" in missing["second"].details[0]
     assert "use_reentrant=False" in missing["second"].fix
-    assert "first.fc.weight" in missing[""].message  # upstream of the region as well
+    assert "first.fc.weight" in missing[""].details[0]  # upstream of the region as well
     assert report.max_grad_difference == float("inf")
 
 
@@ -175,7 +176,7 @@ def test_tensors_by_keyword_to_reentrant_regions_are_noted():
     assert report.ok, report
     [note] = found(report, "reentrant-keyword-tensors")  # one note for the three alike layers
     assert note.modules == tuple(LAYERS) and note.module == LAYERS[0]
-    assert "(scale)" in note.message
+    assert note.details == tuple(f"{name} gets tensors by keyword: scale" for name in LAYERS)
     assert note.severity == "info"
     plain = ckptwrap.wrap_model(Stack(scale_by_keyword=True), "blocks")
     assert found(doctor(plain, inputs()), "reentrant-keyword-tensors") == []
@@ -257,7 +258,7 @@ def test_nested_region_is_a_warning():
     report = doctor(model, inputs())
     [finding] = found(report, "selected-twice")
     assert finding.module == "0.fc"
-    assert "inside checkpointed 0" in finding.message
+    assert finding.details == ("0.fc is inside checkpointed 0",)
 
 
 def test_region_that_saves_almost_nothing_is_a_warning():

@@ -28,8 +28,8 @@ def test_healthy_after_wrapping_exits_0(capsys):
 def test_problem_exits_1_and_prints_the_fix(capsys):
     assert main([factory("rng_broken_stack"), *SHAPE]) == 1
     out = capsys.readouterr().out
-    assert "ERROR   layers.0  [dropout-rng]" in out
-    assert "fix: checkpoint layers.0 with preserve_rng_state=True" in out
+    assert "ERROR   layers.0, layers.1, layers.2 (3 modules)  [dropout-rng]" in out
+    assert "fix: checkpoint each of these modules with preserve_rng_state=True" in out
 
 
 def test_warnings_fail_unless_fail_on_error(capsys):
@@ -43,8 +43,8 @@ def test_json_report(capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["ok"] is False
     assert report["regions"] == ["layers.0", "layers.1", "layers.2"]
-    checks = {(f["check"], f["module"]) for f in report["findings"]}
-    assert ("dropout-rng", "layers.2") in checks
+    checks = {(f["check"], tuple(f["modules"])) for f in report["findings"]}
+    assert ("dropout-rng", ("layers.0", "layers.1", "layers.2")) in checks
 
 
 def test_reentrant_policy(capsys):

@@ -89,3 +89,26 @@ def test_a_grouped_finding_round_trips_through_json():
 def test_a_finding_whose_module_is_not_in_its_modules_is_refused():
     with pytest.raises(CheckpointConfigError, match="module 'x' must be the first of modules"):
         Finding("info", "c", "x", "m", "f", modules=("a", "x"))
+
+
+def _dropout(name: str) -> Finding:
+    return Finding(
+        "error", "dropout-rng", name,
+        f"{name} draws random numbers.", f"keep the RNG state of {name}.",
+        details=(f"{name} has dropout ({name}.drop)",),
+    )
+
+
+def test_findings_that_differ_only_in_their_details_are_grouped_keeping_every_detail():
+    names = [f"h.{i}" for i in range(6)]
+    [grouped] = group_findings([_dropout(name) for name in names])
+    assert grouped.modules == tuple(names)
+    assert grouped.details == tuple(f"{name} has dropout ({name}.drop)" for name in names)
+    assert grouped.fix == "keep the RNG state of each of these modules."
+    lines = str(report(grouped)).splitlines()
+    assert "ERROR   h.0, h.1, ..., h.5 (6 modules)  [dropout-rng]" in lines
+    assert "  - h.2 has dropout (h.2.drop)" in lines and "  - ... and 3 more" in lines
+    assert "  - h.3 has dropout (h.3.drop)" not in lines
+    [four] = group_findings([_dropout(name) for name in names[:4]])
+    assert "ERROR   h.0, h.1, h.2, h.3 (4 modules)  [dropout-rng]" in str(report(four))
+    assert Finding(**json.loads(json.dumps(grouped.to_dict()))) == grouped

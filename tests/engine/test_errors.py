@@ -114,6 +114,31 @@ def test_debug_puts_operator_lists_in_the_message():
     assert message.count("expm1") >= 2, "expm1 ran in forward and in recomputation"
 
 
+def _mismatching(x):
+    if ckptwrap.is_recomputing():
+        x = torch.rad2deg(x)[:2]
+    return torch.sin(torch.expm1(x))
+
+
+@pytest.mark.parametrize("switch, debug, listed", [
+    (True, False, True),  # torch's switch on wins over debug=False
+    (False, True, False),  # and off wins over debug=True
+    (None, True, True),  # None defers to the call's own debug
+], ids=["on", "off", "defer"])
+def test_torch_set_checkpoint_debug_enabled_overrides_debug_as_in_torch(switch, debug, listed):
+    with torch.utils.checkpoint.set_checkpoint_debug_enabled(switch):
+        out = ckptwrap.checkpoint(_mismatching, _input(), debug=debug)
+    with pytest.raises(ckptwrap.CheckpointError) as info:
+        out.sum().backward()
+    assert ("rad2deg" in str(info.value)) is listed
+
+
+def test_torch_debug_switch_leaves_the_reentrant_engine_alone():
+    with torch.utils.checkpoint.set_checkpoint_debug_enabled(True):
+        out = ckptwrap.checkpoint(torch.sin, _input(), use_reentrant=True)
+    out.sum().backward()  # no error: the re-entrant engine has no operator log, as torch's
+
+
 @pytest.mark.parametrize(
     "options, named",
     [

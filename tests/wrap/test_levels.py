@@ -28,7 +28,7 @@ from ckptwrap.planner import profile_modules
 from ckptwrap.planner._cost_model import CostItem, predicted_peak
 from ckptwrap.planner._levels import MAX_LEVELS, selective_levels
 from ckptwrap.planner._ops import OpCost
-from ckptwrap.wrap._model import _apply as apply_plan
+from ckptwrap.wrap._marks import apply_plan
 from ckptwrap.wrap._planning import plan_and_profile
 from ckptwrap.wrap._selective import SavedInstances
 from ckptwrap.planner import with_step_terms

@@ -23,7 +23,7 @@ from ckptwrap._errors import CheckpointConfigError
 from ckptwrap.planner import profile_modules, region_bytes, step_items
 from ckptwrap.planner._solver import predicted_peak, solve_budget
 from ckptwrap.planner import _items
-from ckptwrap.wrap._model import _apply
+from ckptwrap.wrap._marks import apply_plan as _apply
 from ckptwrap.engine._options import CheckpointOptions
 from ckptwrap.planner._plan import Plan, PlanEntry
 

@@ -260,21 +260,6 @@ def test_fitted_costs_survive_pickling_and_deep_copying(measured):
         assert measured == []
 
 
-def test_switching_plans_leaves_modules_marked_by_other_wrappings(measured):
-    plain = _gpt()
-    model = wrap_model(copy.deepcopy(plain), "name:blocks.3")
-    budget = _budget_at(plain, 256, 0.6)
-    wrap_model(model, f"budget:{budget}B", example_inputs=_batch(64))
-    counts = []
-    for length in (64, 256, 64):
-        _same_step(model, plain, length)
-        recorded = model.ckptwrap_plan
-        assert marked(model) == recorded.names and "blocks.3" in recorded.names
-        assert recorded.policy == f"name:blocks.3 + budget:{budget}B"
-        counts.append(len(recorded.names))
-    assert counts[0] == counts[2] == 1 < counts[1]
-
-
 def test_a_shape_out_of_reach_runs_under_its_plan_of_least_memory(measured):
     plain = _gpt()
     budget = _budget_at(plain, 64, 0.9)  # far below what any plan reaches at 256

@@ -1,0 +1,106 @@
+"""Marks: a module is marked by giving the instance a ``forward`` attribute that runs the
+class's forward as a checkpointed region, and the applied plan is kept on the model.
+
+Nothing is renamed, re-parented or re-classed, so qualified names, state dicts, ``type()``
+and optimizer state are the same before, after and after unmarking.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Iterable, List, Optional, Tuple
+
+from torch import nn
+
+from ..planner import Plan, PlanEntry
+from ._forwards import _CheckpointedForward, _SegmentMember, entry_options
+
+__all__ = ["PLAN_ATTRIBUTE", "apply_plan", "in_model_order", "mark", "named", "unmark"]
+
+PLAN_ATTRIBUTE = "ckptwrap_plan"
+
+
+def apply_plan(model: nn.Module, applied: Plan) -> None:
+    modules = mark(model, applied)
+    setattr(model, PLAN_ATTRIBUTE, recorded(model, applied, modules))
+
+
+def mark(model: nn.Module, applied: Plan) -> Dict[str, nn.Module]:
+    """Give the modules ``applied`` selects their checkpointed forwards; returns the
+    model's modules by name."""
+    modules = dict(model.named_modules())
+    offload = applied.tier == "offload"
+    members: Dict[str, _SegmentMember] = {}
+    for entry in applied.selected:
+        if entry.joins is not None:
+            module = modules[entry.name]
+            members[entry.name] = _SegmentMember(module, applied.options, module.__dict__.get("forward"))
+    follower = {entry.joins: entry.name for entry in applied.selected if entry.joins is not None}
+    for entry in applied.selected:
+        module = modules[entry.name]
+        if entry.name in members:
+            module.forward = members[entry.name]
+            continue
+        chain: List[_SegmentMember] = []
+        name = follower.get(entry.name)
+        while name is not None:
+            chain.append(members[name])
+            name = follower.get(name)
+        options = entry_options(applied.options, entry.saved_ops)
+        module.forward = _CheckpointedForward(
+            module, options, module.__dict__.get("forward"), offload, tuple(chain)
+        )
+    return modules
+
+
+def unmark(modules: Iterable[nn.Module]) -> None:
+    """Take the checkpointed forwards ``wrap_model`` gave off ``modules``."""
+    for module in modules:
+        forward = module.__dict__.get("forward")
+        if isinstance(forward, (_CheckpointedForward, _SegmentMember)):
+            if forward.previous is not None:
+                module.forward = forward.previous
+            else:
+                del module.forward
+
+
+def recorded(model: nn.Module, applied: Plan, modules: Dict[str, nn.Module]) -> Plan:
+    """The plan to keep on ``model`` after applying ``applied`` over what it had.
+
+    Wrapping again finds the modules an earlier ``wrap_model`` marked "already
+    checkpointed" and selects none of them; the kept plan must still list them, since
+    they are checkpointed.
+    """
+    existing = model.__dict__.get(PLAN_ATTRIBUTE)
+    if not isinstance(existing, Plan) or existing.pending:
+        return applied
+    kept = [
+        entry for entry in existing.selected
+        if entry.name in modules
+        and isinstance(modules[entry.name].__dict__.get("forward"), (_CheckpointedForward, _SegmentMember))
+    ]
+    selected = in_model_order(modules, [*kept, *applied.selected])
+    names = {entry.name for entry in selected}
+    dropped = [item for item in existing.dropped if item[0] not in names]
+    dropped += [item for item in applied.dropped if item[0] not in names and item not in dropped]
+    # Nothing new marked: the predictions measured for the existing plan still hold.
+    base = applied if applied.selected else existing
+    return dataclasses.replace(
+        base,
+        policy=existing.policy if existing.policy == applied.policy else f"{existing.policy} + {applied.policy}",
+        selected=selected,
+        dropped=tuple(dropped),
+    )
+
+
+def in_model_order(modules: Dict[str, nn.Module], entries: List[PlanEntry]) -> Tuple[PlanEntry, ...]:
+    """``entries`` sorted as ``model.named_modules()`` lists their modules."""
+    order = {name: position for position, name in enumerate(modules)}
+    return tuple(sorted(entries, key=lambda entry: order[entry.name]))
+
+
+
+def named(model: nn.Module, applied: Optional[Plan]) -> List[nn.Module]:
+    """The modules ``applied`` selects (none for no plan)."""
+    modules = dict(model.named_modules())
+    return [modules[name] for name in (applied.names if applied else []) if name in modules]
