@@ -3,7 +3,7 @@ early stop, nesting and ``checkpoint_sequential``. Knows nothing of policies or 
 
 from ._api import checkpoint, checkpoint_sequential
 from ._options import CheckpointOptions, options_from
-from ._reentrant import reaches_reentrant
+from ._reentrant import graph_nodes, reaches_reentrant
 from ._state import is_recomputing, set_checkpoint_early_stop
 from ._tree import flatten, tensor_leaves, unflatten
 
@@ -12,6 +12,7 @@ __all__ = [
     "checkpoint",
     "checkpoint_sequential",
     "flatten",
+    "graph_nodes",
     "is_recomputing",
     "options_from",
     "reaches_reentrant",

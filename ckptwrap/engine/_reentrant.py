@@ -12,7 +12,7 @@ exactly when it does in the plain run.
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.utils.checkpoint
@@ -172,11 +172,8 @@ def run_reentrant(fn: Callable[..., Any], args: Tuple[Any, ...], *, preserve_rng
     return _tree.unflatten(_merge(out_tensors, region.out_leaves), region.out_spec)
 
 
-def reaches_reentrant(roots: Sequence[torch.Tensor]) -> bool:
-    """Whether backward from ``roots`` would pass through a re-entrant region (this
-    engine's, or ``torch.utils.checkpoint``'s with ``use_reentrant=True``), which only a
-    full ``.backward()`` can serve: ``torch.autograd.grad`` there is an error."""
-    kinds = (_ReentrantRegion, getattr(torch.utils.checkpoint, "CheckpointFunction", _ReentrantRegion))
+def graph_nodes(roots: Sequence[torch.Tensor]) -> Iterator[Any]:
+    """Every autograd node a backward from ``roots`` can reach, each once."""
     seen: set = set()
     stack = [t.grad_fn for t in roots if t.grad_fn is not None]
     while stack:
@@ -184,7 +181,13 @@ def reaches_reentrant(roots: Sequence[torch.Tensor]) -> bool:
         if node is None or node in seen:
             continue
         seen.add(node)
-        if getattr(type(node), "_forward_cls", None) in kinds:
-            return True
+        yield node
         stack.extend(next_node for next_node, _ in node.next_functions)
-    return False
+
+
+def reaches_reentrant(roots: Sequence[torch.Tensor]) -> bool:
+    """Whether backward from ``roots`` would pass through a re-entrant region (this
+    engine's, or ``torch.utils.checkpoint``'s with ``use_reentrant=True``), which only a
+    full ``.backward()`` can serve: ``torch.autograd.grad`` there is an error."""
+    kinds = (_ReentrantRegion, getattr(torch.utils.checkpoint, "CheckpointFunction", _ReentrantRegion))
+    return any(getattr(type(node), "_forward_cls", None) in kinds for node in graph_nodes(roots))

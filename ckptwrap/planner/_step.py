@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from .._hf import cache_free_arguments, fresh_caches
-from ..engine import checkpoint, is_recomputing, reaches_reentrant
+from ..engine import checkpoint, graph_nodes, is_recomputing, reaches_reentrant
 from ..measure import differentiable, tensors
 from ._phases import Phase, PhaseMeter
 from ._timing import RngState
@@ -183,19 +183,8 @@ def _backward_keeping_grads(
 
 def _leaves(roots: List[torch.Tensor]) -> List[torch.Tensor]:
     """The leaf tensors whose ``.grad`` a backward from ``roots`` accumulates into."""
-    found: Dict[int, torch.Tensor] = {}
-    seen: set = set()
-    stack = [t.grad_fn for t in roots if t.grad_fn is not None]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)
-        if isinstance(variable, torch.Tensor):
-            found[id(variable)] = variable
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return list(found.values())
+    found = (getattr(node, "variable", None) for node in graph_nodes(roots))
+    return list({id(t): t for t in found if isinstance(t, torch.Tensor)}.values())
 
 
 def _by_phase(phases: List[Phase], at_allocator: bool) -> StepPeaks:

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._compiling import outside_graph
 from .._warn import note
 from ..planner import Plan, ShapePlanner, is_measuring
 from ._marks import PLAN_ATTRIBUTE, apply_plan, in_model_order, mark, named, unmark
@@ -110,10 +111,7 @@ _COMPILE_NOTE = (
     "is a graph break. Plan before compiling instead: wrap_model(model, policy, "
     "example_inputs=..., example_kwargs=...)."
 )
-try:
-    _plan_outside_graph = torch.compiler.disable(_plan_eagerly, reason=_COMPILE_NOTE)
-except TypeError:  # a torch whose disable() takes no reason
-    _plan_outside_graph = torch.compiler.disable(_plan_eagerly)
+_plan_outside_graph = outside_graph(_plan_eagerly, _COMPILE_NOTE)
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ import torch
 from torch.nn.modules.batchnorm import _NormBase
 from torch.utils._python_dispatch import _disable_current_modes
 
+from .._compiling import outside_graph
 from .._errors import CheckpointConfigError
 from ..engine import checkpoint, is_recomputing
 from ._clients import without_cache_writes
@@ -176,10 +177,7 @@ def _refuse(owner: torch.nn.Module) -> None:
 
 
 # Raised eagerly, outside the graph; under fullgraph=True the compiler reports the reason.
-try:
-    _refuse_compiled = torch.compiler.disable(_refuse, reason=_OFFLOAD_COMPILED)
-except TypeError:  # a torch whose disable() takes no reason
-    _refuse_compiled = torch.compiler.disable(_refuse)
+_refuse_compiled = outside_graph(_refuse, _OFFLOAD_COMPILED)
 
 
 class _KeywordsFirst:

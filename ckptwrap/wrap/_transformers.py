@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Tuple
 
-import torch
 from torch import nn
 
+from .._compiling import outside_graph
 from .._warn import warn
 
 __all__ = ["TransformersSwitch", "switch_of"]
@@ -83,10 +83,7 @@ _COMPILED = (
     "gradient_checkpointing_enable(), TrainingArguments(gradient_checkpointing=False))."
 )
 # Under torch.compile the hook is traced; the switch itself runs eagerly, outside the graph.
-try:
-    _switch_off_outside_graph = torch.compiler.disable(_switch_off, reason=_COMPILED)
-except TypeError:  # a torch whose disable() takes no reason
-    _switch_off_outside_graph = torch.compiler.disable(_switch_off)
+_switch_off_outside_graph = outside_graph(_switch_off, _COMPILED)
 
 
 def switch_of(model: nn.Module) -> "TransformersSwitch | None":
