@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo bench venv clean
+.PHONY: test demo bench venv clean gpu-check
 
 venv: $(STAMP)
 
@@ -25,6 +25,16 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/engine.py --threads 1
+
+# On a bare GPU machine with no package registry: installs ckptwrap from this checkout
+# (pip --no-deps --no-build-isolation), runs the CUDA checks and benchmarks and writes
+# OUT/gpu-report.md (docs/gpu.md). GPU_PYTHON is the interpreter that has torch; no .venv
+# is made. STEPS=a,b runs some steps only; DRY_RUN=1 runs on the CPU at tiny sizes.
+GPU_PYTHON ?= python3
+
+gpu-check:
+	@test -n "$(OUT)" || { echo "usage: make gpu-check OUT=DIR [STEPS=a,b] [DRY_RUN=1]"; exit 2; }
+	$(GPU_PYTHON) scripts/gpu_check.py --out "$(OUT)" $(if $(STEPS),--steps $(STEPS)) $(if $(DRY_RUN),--dry-run)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

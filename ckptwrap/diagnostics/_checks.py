@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Set
 
 from torch import nn
-from torch.nn.modules.dropout import _DropoutNd
 
+from .. import _torch_private
 from ..planner import ModelProfile
 from ._regions import Region
 from ._report import Finding
@@ -220,7 +220,7 @@ def _active_dropouts(region: Region) -> List[str]:
     return [
         name
         for name, sub in region.module.named_modules(prefix=region.name)
-        if isinstance(sub, _DropoutNd) and sub.p > 0 and sub.training
+        if isinstance(sub, _torch_private.dropout_classes) and sub.p > 0 and sub.training
     ]
 
 

@@ -13,8 +13,8 @@ import functools
 from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-from torch.overrides import _get_current_function_mode_stack
-from torch.utils._device import DeviceContext
+
+from .. import _torch_private
 
 __all__ = ["DeviceState", "capture_device_state", "replayed", "devices_of"]
 
@@ -41,7 +41,7 @@ def devices_of(tensors: Iterable[torch.Tensor]) -> List[_Device]:
 @functools.lru_cache(maxsize=None)
 def _autocast_types() -> Tuple[str, ...]:
     names = list(_AUTOCAST_CANDIDATES)
-    private = torch._C._get_privateuse1_backend_name()
+    private = _torch_private.privateuse1_backend_name()
     if private not in names:
         names.append(private)
     return tuple(name for name in names if torch.amp.is_autocast_available(name))
@@ -105,8 +105,11 @@ def capture_device_state(devices: Sequence[_Device], *, preserve_rng_state: bool
 
 def _current_device_context() -> Any:
     """The innermost ``with torch.device(...)`` in force, so recomputation allocates alike."""
-    for mode in reversed(_get_current_function_mode_stack()):
-        if isinstance(mode, DeviceContext):
+    kind = _torch_private.device_context_class
+    if kind is None:
+        return None
+    for mode in reversed(_torch_private.function_mode_stack()):
+        if isinstance(mode, kind):
             return mode
     return None
 

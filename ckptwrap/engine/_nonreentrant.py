@@ -21,16 +21,15 @@ from typing import Any, Callable, ContextManager, Dict, List, Optional, Tuple
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
-try:
-    from torch._C._autograd import _make_saved_tensor
-except ImportError:  # torch before 2.12: saved through a no-op Function instead
-    _make_saved_tensor = None
-
+from .. import _torch_private
 from .._errors import CheckpointError
 from . import _device, _state, _tree
 from ._debug import OpRecorder, describe_ops
 
 __all__ = ["run_checkpointed"]
+
+# None on torch before 2.12: a region's inputs are saved through a no-op Function instead.
+_make_saved_tensor = _torch_private.make_saved_tensor
 
 _Meta = Tuple[torch.Size, torch.dtype, torch.device]
 
@@ -254,10 +253,10 @@ def _current_gid() -> Tuple[Any, str]:
     shares one recomputation among its backward calls; an unpack outside any backward
     (reading ``grad_fn._saved_*`` by hand) recomputes just for itself.
     """
-    group = torch._C._get_graph_exec_group()
+    group = _torch_private.graph_exec_group()
     if group is not None:
         return group, _GROUP
-    task = torch._C._current_graph_task_id()
+    task = _torch_private.graph_task_id()
     if task == -1:
         return object(), _ONCE
     return task, _TASK
@@ -296,9 +295,7 @@ def _make_hooks(frame: _Frame) -> saved_tensors_hooks:
                 # Values recomputed but never unpacked (a partial backward with
                 # retain_graph=True) must not outlive the backward call.
                 frame_ref = weakref.ref(frame)
-                torch.autograd.Variable._execution_engine.queue_callback(
-                    lambda: _forget(frame_ref, gid)
-                )
+                _torch_private.queue_callback(lambda: _forget(frame_ref, gid))  # type: ignore[misc]
         try:
             value = holder.values.pop(gid)
         except KeyError:

@@ -18,6 +18,7 @@ import torch
 import torch.utils.checkpoint
 from torch.autograd.graph import saved_tensors_hooks
 
+from .. import _torch_private
 from .._errors import CheckpointError
 from . import _device, _state, _tree
 
@@ -86,7 +87,7 @@ class _ReentrantRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Optional[torch.Tensor]):  # type: ignore[override]
-        if not torch.autograd._is_checkpoint_valid():
+        if not _torch_private.is_checkpoint_valid():
             raise CheckpointError(
                 "A region checkpointed with use_reentrant=True was reached by "
                 "torch.autograd.grad() or by .backward(inputs=...), which that variant cannot "
@@ -146,7 +147,7 @@ def _cut_from_graph(
         if key not in done:
             if key in input_ids or (tensor.grad_fn is None and not tensor.requires_grad):
                 done[key] = tensor
-            elif tensor.grad_fn is not None and not tensor._is_view():
+            elif tensor.grad_fn is not None and not _torch_private.tensor_is_view(tensor):
                 # In place, so a reference the region kept elsewhere (a cache) stays the
                 # very object returned, as in a forward run without autograd.
                 done[key] = tensor.detach_()

@@ -12,7 +12,8 @@ import dataclasses
 from typing import Any, Callable, List, Sequence, Tuple
 
 import torch
-import torch.utils._pytree as _pytree
+
+from .. import _torch_private
 
 __all__ = ["flatten", "unflatten", "tensor_leaves"]
 
@@ -21,8 +22,7 @@ _Spec = Any  # None for a leaf, else (rebuild, [child specs])
 
 def _children(obj: Any) -> Tuple[List[Any], Callable[[List[Any]], Any]] | None:
     """Split a container into its children and a function that rebuilds it; None for a leaf."""
-    node_type = _pytree._get_node_type(obj)
-    node_def = _pytree.SUPPORTED_NODES.get(node_type)
+    node_def = _torch_private.pytree_nodes.get(_torch_private.pytree_node_type(obj))
     if node_def is not None:
         children, context = node_def.flatten_fn(obj)
         unflatten_fn = node_def.unflatten_fn

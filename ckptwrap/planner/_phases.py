@@ -20,6 +20,7 @@ from typing import Any, List, NamedTuple, Optional, Tuple
 
 import torch
 
+from .. import _torch_private
 from ..measure import StorageCounter
 
 __all__ = ["Phase", "PhaseMeter", "profiler_running"]
@@ -44,10 +45,7 @@ class Phase(NamedTuple):
 def profiler_running() -> bool:
     """Whether a torch profiler (``torch.profiler`` or ``torch.autograd.profiler``) is
     recording in this thread."""
-    try:
-        return bool(torch._C._autograd._profiler_enabled())
-    except AttributeError:  # a torch without the query: assume one may be running
-        return True
+    return bool(_torch_private.profiler_enabled())
 
 
 class PhaseMeter:

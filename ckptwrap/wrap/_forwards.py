@@ -12,8 +12,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
-from torch.nn.modules.module import _global_forward_pre_hooks
 
+from .. import _torch_private
 from .._errors import CheckpointConfigError
 from .._warn import warn
 from ._decorator import decorator_options
@@ -73,8 +73,10 @@ class _CheckpointedForward:
 
     def _members_hooked(self) -> bool:
         """Whether something watches the later modules' calls before they run (FSDP2
-        gathers their parameters there): inside a segment they would run before it."""
-        return bool(_global_forward_pre_hooks) or any(
+        gathers their parameters there): inside a segment they would run before it. Where
+        torch's registry of global hooks cannot be read, assume one."""
+        hooks = _torch_private.global_forward_pre_hooks
+        return hooks is None or bool(hooks) or any(
             member.module()._forward_pre_hooks for member in self.chain
         )
 

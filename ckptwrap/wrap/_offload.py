@@ -2,13 +2,16 @@
 
 The ``offload`` tier keeps the tensors a region saves for backward in pinned host memory.
 Copies run on side streams so that they overlap the model's kernels: device-to-host as the
-forward saves each tensor, host-to-device for a whole region when backward reaches it, and
-ahead of time for the region before it (regions are entered in forward order and their
-backward runs in reverse). Host buffers come from a pool and are reused step after step.
+forward saves each tensor, host-to-device for a whole region when a backward pass reaches
+it, and ahead of time for the region before it (regions are entered in forward order and
+their backward runs in reverse). Each storage is copied once however many of its views are
+saved, and fetched once per backward pass however many operators unpack it. Host buffers
+come from a bounded pool and are reused step after step.
 
 CPU tensors are kept as they are (moving them to the CPU moves nothing), and so are tensors
-below :data:`SMALL_TENSOR_BYTES` and the region's own parameters and buffers, which stay
-alive anyway. Accelerators without streams get plain synchronous copies.
+below :data:`SMALL_TENSOR_BYTES` and what :class:`~._offload_keep.Keep` keeps (the
+region's parameters, buffers and their casts). Accelerators without streams get plain
+synchronous copies. ``_offload_testing`` runs all of this on the CPU, for tests.
 """
 
 from __future__ import annotations
@@ -19,14 +22,17 @@ import dataclasses
 import itertools
 import threading
 import weakref
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from ._host import HostPool, Lanes, device_lanes
+from ._offload_keep import Keep
+from ._offload_pass import PassClock
+from ._offload_saved import Saved, Stored, span
 
-__all__ = ["SMALL_TENSOR_BYTES", "HostPool", "Lanes", "Offloader", "default_offloader"]
+__all__ = ["SMALL_TENSOR_BYTES", "HostPool", "Lanes", "OffloadStats", "Offloader", "default_offloader"]
 
 SMALL_TENSOR_BYTES = 1 << 20
 """Saved tensors smaller than this stay on the device: their copy would cost more in
@@ -38,51 +44,37 @@ class OffloadStats:
     """Counts since the offloader was made (or :meth:`Offloader.reset_stats`)."""
 
     tensors_offloaded: int = 0
+    """Copies to the host: one per storage a region saved (or per part of one, for a small
+    view of a large storage), however many of its views were saved and how often."""
     bytes_offloaded: int = 0
-    """Bytes copied to the host (each tensor's span in its storage)."""
+    """Bytes copied to the host."""
     tensors_kept: int = 0
-    """Saved tensors left on the device: small ones, parameters and buffers."""
+    """Saved tensors left on the device: small ones, parameters, buffers and their casts."""
+    tensors_fetched: int = 0
+    """Copies back to the device: one per host copy per backward pass that needs it."""
     bytes_fetched: int = 0
-
-
-class _Saved:
-    """One offloaded tensor, as autograd holds it between forward and backward.
-
-    Its host buffer goes back to the pool when autograd drops it (the graph is freed,
-    after the last backward that could need it), never when it is merely unpacked:
-    ``retain_graph=True`` may unpack it again.
-    """
-
-    __slots__ = (
-        "region", "host", "pinned", "size", "stride", "dtype", "device", "span",
-        "copied", "fetched", "device_copy", "compute", "pool", "__weakref__",
-    )
-
-    def __del__(self) -> None:
-        try:
-            if self.device_copy is not None and self.compute is not None:
-                # Fetched ahead but never used: the compute stream must not reuse this
-                # memory before the copy into it is done.
-                self.compute.wait_event(self.fetched)
-            last = self.fetched if self.fetched is not None else self.copied
-            self.pool.give(self.host, self.pinned, last)
-        except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to return to
-            pass
+    """Bytes copied back to the device."""
+    bytes_resident: int = 0
+    """Bytes handed to backward from the device source itself, still there because its
+    copy to the host had not been let go of yet: nothing fetched."""
 
 
 class _Region:
-    """The tensors one region's forward offloaded, in order."""
+    """The host copies one region's forward made, in order, and per backward pass whether
+    they were fetched and whether the pass reached the region."""
 
-    __slots__ = ("offloader", "index", "keep", "saved", "seen", "started", "fetched", "__weakref__")
+    __slots__ = ("offloader", "index", "keep", "stored", "seen", "started", "fetched", "__weakref__")
 
-    def __init__(self, offloader: "Offloader", index: int, keep: Set[int]) -> None:
+    def __init__(self, offloader: "Offloader", index: int, keep: Keep) -> None:
         self.offloader = offloader
         self.index = index
-        self.keep = keep  # storages of the region's parameters and buffers
-        self.saved: List["weakref.ref[_Saved]"] = []
-        self.seen: Dict[Tuple[Any, ...], Tuple["weakref.ref[_Saved]", StorageWeakRef]] = {}
-        self.started = False  # backward has unpacked one of its tensors
-        self.fetched = False  # every tensor's host-to-device copy has been issued
+        self.keep = keep
+        self.stored: List["weakref.ref[Stored]"] = []
+        # (storage address, version) -> its host copies. Keyed by address, which a later
+        # storage may reuse once this one is freed: an entry holds while its storage lives.
+        self.seen: Dict[Tuple[int, int], List[Tuple["weakref.ref[Stored]", StorageWeakRef]]] = {}
+        self.started: Optional[int] = None  # the backward pass that last unpacked here
+        self.fetched: Optional[int] = None  # the backward pass that last fetched it all
 
     def pack(self, tensor: torch.Tensor) -> Any:
         return self.offloader._pack(self, tensor)
@@ -90,13 +82,22 @@ class _Region:
     def unpack(self, packed: Any) -> torch.Tensor:
         return self.offloader._unpack(packed)
 
+    def find(self, key: Tuple[int, int], start: int, stop: int, itemsize: int) -> Optional[Stored]:
+        """A host copy of this storage version that holds bytes ``start:stop``."""
+        for ref, storage in self.seen.get(key, ()):
+            stored = ref()
+            if stored is not None and not storage.expired() and stored.holds(start, stop, itemsize):
+                return stored
+        return None
+
 
 class Offloader:
     """Saved-tensor hooks for offloaded regions, with their streams, pool and bookkeeping.
 
     Args:
         lanes_for: Streams for a device, or None to copy synchronously (CPU tensors are
-            never offloaded unless this returns lanes for them, which tests do).
+            never offloaded unless this returns lanes for them, which tests do: see
+            ``_offload_testing``).
         min_bytes: Tensors smaller than this stay where they are.
         pool: Host buffers; a new pool if None.
     """
@@ -115,19 +116,22 @@ class Offloader:
         self.stats = OffloadStats()
         self._regions: List["weakref.ref[_Region]"] = []
         self._counter = itertools.count()
-        # Device-to-host copies in flight: (event, source, region index). The source is held
-        # until its copy is done, so its memory cannot be reused under the copy.
-        self._pending: Deque[Tuple[Any, torch.Tensor, int]] = collections.deque()
+        # Host copies whose device-to-host copy may still read their source, which is held
+        # so that its memory cannot be reused under the copy, in the order they were made.
+        self._pending: Deque[Stored] = collections.deque()
+        # Per backward pass, the host copies it fetched: what it did not use goes at its end.
+        self._fetched: Dict[int, List["weakref.ref[Stored]"]] = {}
+        self._passes = PassClock(self._end_pass)
         self._lock = threading.RLock()
 
     @contextlib.contextmanager
     def region(self, owner: Optional[torch.nn.Module] = None) -> Iterator[None]:
-        """Offload the tensors saved for backward inside the block, as one region."""
-        keep = set()
-        if owner is not None:
-            for tensor in itertools.chain(owner.parameters(), owner.buffers()):
-                with contextlib.suppress(RuntimeError, NotImplementedError):  # lazy, subclasses
-                    keep.add(tensor.untyped_storage().data_ptr())
+        """Offload the tensors saved for backward inside the block, as one region.
+
+        Raises:
+            CheckpointConfigError: ``owner`` holds a nested FSDP unit.
+        """
+        keep = Keep(owner)
         with self._lock:
             self._regions = [ref for ref in self._regions if ref() is not None]
             region = _Region(self, next(self._counter), keep)
@@ -140,12 +144,16 @@ class Offloader:
 
     def release_finished(self, *, wait: bool = False) -> None:
         """Let go of the sources whose device-to-host copy is done (all of them, waiting
-        for each, if ``wait``)."""
+        for each on the host, if ``wait``)."""
         with self._lock:
-            while self._pending and (wait or self._pending[0][0].query()):
-                event, _, _ = self._pending.popleft()
-                if wait:
-                    event.synchronize()
+            while self._pending:
+                stored = self._pending[0]
+                if stored.source is not None and not wait and not stored.copied.query():
+                    break
+                self._pending.popleft()
+                if stored.source is not None and wait:
+                    stored.copied.synchronize()
+                stored.source = None
 
     def reset_stats(self) -> None:
         """Start counting :attr:`stats` from zero."""
@@ -154,32 +162,29 @@ class Offloader:
     # ------------------------------------------------------------------ hooks
 
     def _pack(self, region: _Region, tensor: torch.Tensor) -> Any:
-        device = tensor.device
         if not self._movable(region, tensor):
             self.stats.tensors_kept += 1
             return tensor
+        device = tensor.device
         lanes = self._lanes_of(device)
         if lanes is None:
-            if device.type == "cpu":
-                return tensor
             # No streams to overlap with: a plain copy, as torch's save_on_cpu makes.
             self.stats.tensors_offloaded += 1
             self.stats.bytes_offloaded += tensor.nbytes
             return (device, tensor.cpu())
-        span = _span(tensor)
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
-               tensor.stride(), tensor.dtype, tensor._version)
-        known = region.seen.get(key)
-        if known is not None and not known[1].expired() and known[0]() is not None:
-            return known[0]()  # the same tensor saved again by another operator: copy it once
-        self.release_finished()
-        saved = self._offload(lanes, tensor, span, region.index)
-        saved.region = region
-        region.saved.append(weakref.ref(saved))
-        # Keyed by address, which a later tensor may reuse once this one is freed: the
-        # entry holds only while the storage it names is alive.
-        region.seen[key] = (weakref.ref(saved), StorageWeakRef(tensor.untyped_storage()))
-        return saved
+        storage = tensor.untyped_storage()
+        itemsize = tensor.element_size()
+        start = tensor.storage_offset() * itemsize
+        stop = start + span(tensor) * itemsize
+        key = (storage.data_ptr(), tensor._version)
+        stored = region.find(key, start, stop, itemsize)
+        if stored is None:
+            self.release_finished()
+            stored = self._offload(lanes, region, tensor, self._extent(storage.nbytes(), start, stop, itemsize))
+            region.stored.append(weakref.ref(stored))
+            region.seen.setdefault(key, []).append((weakref.ref(stored), StorageWeakRef(storage)))
+        stored.packs += 1
+        return Saved(stored, tensor, start)
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
@@ -187,23 +192,31 @@ class Offloader:
         if isinstance(packed, tuple):
             device, host = packed
             return host.to(device)
-        region = packed.region
-        self.release_finished()
-        if not region.started:
+        stored = packed.stored
+        lanes = self._lanes_of(stored.device)
+        key = self._passes.current()
+        if key is None:
+            # Read outside backward (``grad_fn._saved_...``): a copy of its own, kept nowhere.
+            flat, ready, home = self._bring(stored, lanes)
+            return packed.view(self._hand_out(lanes, flat, ready, home))
+        region = stored.region
+        if region.started != key:
             # Backward has reached this region: fetch all of it now, then the region
             # before it, whose copies overlap this region's backward.
-            region.started = True
-            self._fetch_region(region)
+            region.started = key
+            self._fetch_region(region, key)
             previous = self._previous(region)
-            if previous is not None and not previous.started:
-                self._fetch_region(previous)
-        if packed.device_copy is None:
-            self._fetch(packed)  # unpacked again (retain_graph), or saved after the fetch
-        lanes = self._lanes_of(packed.device)
-        lanes.current().wait_event(packed.fetched)
-        # Handed to autograd, which frees it when done; a second backward fetches anew.
-        result, packed.device_copy, packed.compute = packed.device_copy, None, None
-        return result
+            if previous is not None:
+                self._fetch_region(previous, key)
+        if stored.pass_key != key or stored.device_copy is None:
+            self._fetch(stored, key, lanes)  # saved after the region's fetch, or used up
+        flat = self._hand_out(lanes, stored.device_copy, stored.ready, stored.home)
+        stored.handed = True
+        stored.unpacks += 1
+        if stored.unpacks >= stored.packs:
+            # Every view of it has been unpacked in this pass: autograd holds what it needs.
+            self._drop(stored)
+        return packed.view(flat)
 
     # ------------------------------------------------------------------ copies
 
@@ -212,58 +225,118 @@ class Offloader:
             return False
         if tensor.layout != torch.strided or type(tensor) not in (torch.Tensor, torch.nn.Parameter):
             return False
-        if _span(tensor) * tensor.element_size() < self.min_bytes:
+        if tensor.numel() == 0 or tensor.is_quantized or tensor.is_conj() or tensor.is_neg():
             return False
-        return tensor.untyped_storage().data_ptr() not in region.keep
+        if span(tensor) * tensor.element_size() < self.min_bytes:
+            return False
+        return not region.keep.holds(tensor, tensor.untyped_storage().data_ptr())
 
-    def _offload(self, lanes: Lanes, tensor: torch.Tensor, span: int, index: int) -> _Saved:
-        nbytes = span * tensor.element_size()
-        host, last_reader = self.pool.take(nbytes, pin=lanes.pin)
+    @staticmethod
+    def _extent(nbytes: int, start: int, stop: int, itemsize: int) -> Tuple[int, int]:
+        """The bytes of a storage to copy for a view spanning ``start:stop``: all of them
+        when the view spans at least half (its sibling views, such as q, k and v split from
+        one projection, then share the copy), else the view's own span."""
+        if 2 * (stop - start) >= nbytes and nbytes % itemsize == 0:
+            return 0, nbytes
+        return start, stop
+
+    def _offload(self, lanes: Lanes, region: _Region, tensor: torch.Tensor, extent: Tuple[int, int]) -> Stored:
+        lo, hi = extent
+        itemsize = tensor.element_size()
+        host, last_reader = self.pool.take(hi - lo, pin=lanes.pin)
         compute = lanes.current()
         # The side stream starts after the kernels that wrote the tensor, and after the
         # last copy that read this buffer.
         lanes.d2h.wait_stream(compute)
         if last_reader is not None:
             lanes.d2h.wait_event(last_reader)
+        # The storage's bytes lo:hi, as one flat run of bytes.
+        source = tensor.detach().as_strided(((hi - lo) // itemsize,), (1,), lo // itemsize).view(torch.uint8)
         with lanes.use(lanes.d2h):
-            # The tensor's whole span in its storage, so any strides come back as they were.
-            flat = tensor.as_strided((span,), (1,))
-            host.view(tensor.dtype).copy_(flat, non_blocking=True)
-        copied = lanes.d2h.record_event()
+            host[: hi - lo].copy_(source, non_blocking=True)
+        stored = Stored(region, self.pool, host, lanes.pin, lo, hi, tensor)
+        stored.copied, stored.stream, stored.source = lanes.d2h.record_event(), compute, source
         with self._lock:
-            self._pending.append((copied, tensor, index))
-        saved = _Saved.__new__(_Saved)
-        saved.host, saved.pinned, saved.span = host, lanes.pin, span
-        saved.size, saved.stride, saved.dtype, saved.device = tensor.shape, tensor.stride(), tensor.dtype, tensor.device
-        saved.copied, saved.fetched, saved.device_copy, saved.compute = copied, None, None, None
-        saved.pool = self.pool
+            self._pending.append(stored)
         self.stats.tensors_offloaded += 1
-        self.stats.bytes_offloaded += nbytes
-        return saved
+        self.stats.bytes_offloaded += hi - lo
+        return stored
 
-    def _fetch(self, saved: _Saved) -> None:
-        lanes = self._lanes_of(saved.device)
+    def _bring(self, stored: Stored, lanes: Lanes) -> Tuple[torch.Tensor, Any, Any]:
+        """The stored bytes on the device: (flat bytes, event to wait for or None, stream
+        the memory belongs to). The source itself while it is still held there."""
+        source = stored.source
+        if source is not None and source._version == stored.version:
+            self.stats.bytes_resident += stored.nbytes
+            return source, None, stored.stream
         compute = lanes.current()
         # Allocated on the compute stream, which owns it afterwards; the side stream waits
         # for the compute stream's earlier use of that memory, and for the host data.
-        flat = torch.empty(saved.span, dtype=saved.dtype, device=saved.device)
+        flat = torch.empty(stored.nbytes, dtype=torch.uint8, device=stored.device)
         lanes.h2d.wait_stream(compute)
-        lanes.h2d.wait_event(saved.copied)
+        lanes.h2d.wait_event(stored.copied)
         with lanes.use(lanes.h2d):
-            flat.copy_(saved.host.view(saved.dtype), non_blocking=True)
-        saved.fetched = lanes.h2d.record_event()
-        saved.device_copy = flat.as_strided(saved.size, saved.stride, 0)
-        saved.compute = compute
-        self.stats.bytes_fetched += saved.span * flat.element_size()
+            flat.copy_(stored.host[: stored.nbytes], non_blocking=True)
+        ready = stored.last_read = lanes.h2d.record_event()
+        self.stats.tensors_fetched += 1
+        self.stats.bytes_fetched += stored.nbytes
+        return flat, ready, compute
 
-    def _fetch_region(self, region: _Region) -> None:
-        if region.fetched:
+    @staticmethod
+    def _hand_out(lanes: Lanes, flat: torch.Tensor, ready: Any, home: Any) -> torch.Tensor:
+        consumer = lanes.current()
+        if ready is not None:
+            consumer.wait_event(ready)
+        if consumer != home:
+            # Allocated on another stream: its memory must not be reused before this
+            # stream's work on it is done.
+            lanes.record(flat, consumer)
+        return flat
+
+    def _fetch(self, stored: Stored, key: int, lanes: Optional[Lanes] = None) -> None:
+        self._drop(stored)
+        lanes = lanes if lanes is not None else self._lanes_of(stored.device)
+        stored.device_copy, stored.ready, stored.home = self._bring(stored, lanes)
+        stored.pass_key, stored.unpacks, stored.handed = key, 0, False
+        with self._lock:
+            self._fetched.setdefault(key, []).append(weakref.ref(stored))
+
+    def _fetch_region(self, region: _Region, key: int) -> None:
+        if region.fetched == key:
             return
-        region.fetched = True
-        for ref in region.saved:
-            saved = ref()
-            if saved is not None and saved.device_copy is None:
-                self._fetch(saved)
+        region.fetched = key
+        for ref in region.stored:
+            stored = ref()
+            if stored is not None and stored.pass_key != key:
+                self._fetch(stored, key)
+
+    def _drop(self, stored: Stored) -> None:
+        """Let go of ``stored``'s device copy (and of its source, once it was handed out)."""
+        if stored.device_copy is None:
+            return
+        if stored.ready is not None and not stored.handed:
+            # Fetched and never used: the stream that owns this memory must not reuse it
+            # before the copy into it is done.
+            stored.home.wait_event(stored.ready)
+        if stored.ready is None and stored.source is not None:
+            # The resident source, used up: free it once its copy to the host is done,
+            # without waiting on the host (the host copy serves any later pass).
+            stored.stream.wait_event(stored.copied)
+            stored.source = None
+        stored.device_copy = stored.ready = stored.home = None
+
+    def _end_pass(self, key: int) -> None:
+        """A backward pass ended: drop what it fetched and did not use, and let go of the
+        sources still held for it."""
+        with self._lock:
+            fetched = self._fetched.pop(key, [])
+            for other in [k for k in self._fetched if not self._passes.is_open(k)]:
+                del self._fetched[other]  # passes that raised: their callback never came
+        for ref in fetched:
+            stored = ref()
+            if stored is not None and stored.pass_key == key:
+                self._drop(stored)
+        self._settle_pending(lambda stored: True)
 
     def _previous(self, region: _Region) -> Optional[_Region]:
         """The live region entered last before ``region``."""
@@ -272,12 +345,19 @@ class Offloader:
         return max(earlier, key=lambda r: r.index) if earlier else None
 
     def _bound_pending(self, index: int) -> None:
-        """At the end of a region's forward, wait for copies of regions before the
-        previous one: their sources would otherwise stay on the device."""
-        with self._lock:
-            while self._pending and self._pending[0][2] < index - 1:
-                self._pending.popleft()[0].synchronize()
+        """At the end of a region's forward, let go of the sources of regions before the
+        previous one: the compute stream waits for their copies (the host does not)."""
+        self._settle_pending(lambda stored: stored.region.index < index - 1)
         self.release_finished()
+
+    def _settle_pending(self, due: Callable[[Stored], bool]) -> None:
+        with self._lock:
+            while self._pending and due(self._pending[0]):
+                stored = self._pending.popleft()
+                if stored.source is not None:
+                    # Its memory is reused only after the copy reading it is done.
+                    stored.stream.wait_event(stored.copied)
+                    stored.source = None
 
     def _lanes_of(self, device: torch.device) -> Optional[Lanes]:
         if device not in self._lanes:
@@ -285,13 +365,6 @@ class Offloader:
                 if device not in self._lanes:
                     self._lanes[device] = self._lanes_for(device)
         return self._lanes[device]
-
-
-def _span(tensor: torch.Tensor) -> int:
-    """Elements of the storage from the tensor's first to its last element."""
-    if tensor.numel() == 0:
-        return 0
-    return 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
 
 
 _DEFAULT: Optional[Offloader] = None

@@ -12,9 +12,8 @@ import contextlib
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
-from torch.nn.modules.batchnorm import _NormBase
-from torch.utils._python_dispatch import _disable_current_modes
 
+from .. import _torch_private
 from .._compiling import outside_graph
 from .._errors import CheckpointConfigError
 from ..engine import checkpoint, is_recomputing
@@ -216,9 +215,9 @@ def _statistics_restored(modules: Tuple[torch.nn.Module, ...]) -> Iterator[None]
     saved: List[Tuple[torch.Tensor, torch.Tensor]] = []
     # Outside any dispatch mode of the recomputation (selective checkpointing replays only
     # the operators its forward recorded, and these copies are not among them).
-    with _disable_current_modes():
+    with _torch_private.disable_current_modes():
         for sub in (sub for module in modules for sub in module.modules()):
-            if isinstance(sub, _NormBase) and sub.training and sub.track_running_stats:
+            if isinstance(sub, _torch_private.norm_classes) and sub.training and sub.track_running_stats:
                 for name in _STAT_NAMES:
                     buffer = getattr(sub, name, None)
                     if isinstance(buffer, torch.Tensor):
@@ -228,6 +227,6 @@ def _statistics_restored(modules: Tuple[torch.nn.Module, ...]) -> Iterator[None]
     finally:
         # Through .data, so the version counter does not move: the recomputed graph may
         # have saved these buffers, and autograd would take the restore for a mutation.
-        with _disable_current_modes(), torch.no_grad():
+        with _torch_private.disable_current_modes(), torch.no_grad():
             for buffer, value in saved:
                 buffer.data.copy_(value)

@@ -18,19 +18,17 @@ from typing import Any, ContextManager, Dict, Iterable, Optional, Tuple, Type
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-# torch's own two modes, which create_selective_checkpoint_contexts pairs over one storage;
-# the recomputation's is extended to name what its bare error leaves out. Private: a torch
-# without them gets its own contexts, and its own bare error.
-try:
-    from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
-except ImportError:
-    _CachedTorchDispatchMode = _CachingTorchDispatchMode = None  # type: ignore[assignment,misc]
-
+from .. import _torch_private
 from .._errors import CheckpointError
 from ..planner import packet_name
 from ..policy import resolve_ops
 
 __all__ = ["SavedInstances", "SelectiveContexts"]
+
+# torch's own two modes, which create_selective_checkpoint_contexts pairs over one storage;
+# the recomputation's is extended to name what its bare error leaves out. Private: a torch
+# without them gets its own contexts, and its own bare error (see _torch_private).
+_CachingTorchDispatchMode, _CachedTorchDispatchMode = _torch_private.sac_modes or (None, None)
 
 
 class _ByValue(functools.partial):

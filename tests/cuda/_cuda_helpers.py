@@ -8,6 +8,7 @@ stored numbers.
 from __future__ import annotations
 
 import copy
+import math
 import sys
 from pathlib import Path
 from typing import Callable, Dict, Optional
@@ -84,3 +85,77 @@ def gpt_step(model, batch, *, seed: int = 1) -> Dict[str, Optional[torch.Tensor]
 
 def copy_of(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+class LlamaBlock(nn.Module):
+    """A Llama-style block: q, k and v projections read one normed input, gate and up
+    projections another, so each is saved several times. Attention is written out, whose
+    backward is deterministic (SDPA's is not)."""
+
+    def __init__(self, width: int, heads: int, hidden: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.heads = heads
+        self.attn_norm, self.mlp_norm = RMSNorm(width), RMSNorm(width)
+        self.q, self.k, self.v, self.o = (nn.Linear(width, width, bias=False) for _ in range(4))
+        self.gate, self.up = nn.Linear(width, hidden, bias=False), nn.Linear(width, hidden, bias=False)
+        self.down = nn.Linear(hidden, width, bias=False)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        h = self.attn_norm(x)
+        q, k, v = (proj(h).view(batch, seq, self.heads, -1).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).tril()
+        weights = self.drop(scores.masked_fill(~causal, float("-inf")).softmax(-1))
+        x = x + self.o((weights @ v).transpose(1, 2).reshape(batch, seq, width))
+        h = self.mlp_norm(x)
+        return x + self.down(nn.functional.silu(self.gate(h)) * self.up(h))
+
+
+class LlamaStack(nn.Module):
+    """``LlamaBlock`` layers in an ``nn.ModuleList``: what the ``blocks`` policy selects."""
+
+    def __init__(self, layers: int = 4, width: int = 1024, heads: int = 8, hidden: int = 2048, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(LlamaBlock(width, heads, hidden, dropout) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def llama(layers: int = 4, width: int = 1024, heads: int = 8, hidden: int = 2048, dropout: float = 0.1) -> LlamaStack:
+    torch.manual_seed(0)
+    return LlamaStack(layers, width, heads, hidden, dropout).cuda().train()
+
+
+def llama_input(batch: int = 4, seq: int = 256, width: int = 1024, *, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(batch, seq, width, device="cuda", generator=generator, requires_grad=True)
+
+
+def llama_loss(model: nn.Module, x: torch.Tensor, *, seed: int = 1, autocast: bool = False) -> torch.Tensor:
+    """The model's loss from a fixed dropout seed (under bf16 autocast if asked)."""
+    torch.manual_seed(seed)
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        out = model(x)
+    return weighted_sum(out)
+
+
+def step_grads(model: nn.Module, x: torch.Tensor, **options) -> Dict[str, Optional[torch.Tensor]]:
+    """One forward and backward of ``llama_loss``; the parameters' and the input's gradients."""
+    model.zero_grad(set_to_none=True)
+    x.grad = None
+    llama_loss(model, x, **options).backward()
+    return grads(dict(model.named_parameters()) | {"input": x})

@@ -1,8 +1,10 @@
 """The offload tier's hooks, host pool and prefetch bookkeeping, on the CPU.
 
 CPU tensors are never moved by default; to exercise the device path here, the offloader is
-given stand-in streams for the CPU (copies are synchronous, events are done at once) and a
-threshold of zero bytes. Every comparison is against the plain model on the same inputs.
+given stand-in streams for the CPU (``_offload_testing``: copies are synchronous, events are
+done at once) and a threshold of zero bytes. Every comparison is against the plain model on
+the same inputs. Repeated saves, views, backward passes and the pool's bound are in
+``test_offload_passes`` and ``test_offload_memory``.
 """
 
 from __future__ import annotations
@@ -15,43 +17,13 @@ from torch import nn
 
 import ckptwrap
 from ckptwrap.wrap import _offload
-from ckptwrap.wrap._offload import HostPool, Lanes, Offloader
+from ckptwrap.wrap._host import size_class
+from ckptwrap.wrap._offload import HostPool, Offloader
+from ckptwrap.wrap._offload_keep import Keep
+from ckptwrap.wrap._offload_saved import Saved
+from ckptwrap.wrap._offload_testing import CpuLanes, cpu_offloader
 
 from ._models import assert_same
-
-
-class _Event:
-    def __init__(self, stream: "_Stream") -> None:
-        self.stream = stream
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
-
-class _Stream:
-    def __init__(self, name: str, log: list) -> None:
-        self.name, self.log = name, log
-
-    def wait_stream(self, other: "_Stream") -> None:
-        self.log.append((self.name, "wait_stream", other.name))
-
-    def wait_event(self, event: _Event) -> None:
-        self.log.append((self.name, "wait_event", event.stream.name))
-
-    def record_event(self) -> _Event:
-        return _Event(self)
-
-
-def _fake_lanes(log: list):
-    compute = _Stream("compute", log)
-    lanes = Lanes(
-        d2h=_Stream("d2h", log), h2d=_Stream("h2d", log),
-        current=lambda: compute, use=lambda stream: contextlib.nullcontext(), pin=False,
-    )
-    return lambda device: lanes if device.type == "cpu" else None
 
 
 class _Logged(Offloader):
@@ -61,13 +33,13 @@ class _Logged(Offloader):
         super().__init__(**options)
         self.events = []
 
-    def _fetch(self, saved):
-        self.events.append(("fetch", saved.region.index))
-        super()._fetch(saved)
+    def _fetch(self, stored, key, lanes=None):
+        self.events.append(("fetch", stored.region.index))
+        super()._fetch(stored, key, lanes)
 
     def _unpack(self, packed):
-        if not isinstance(packed, (torch.Tensor, tuple)):
-            self.events.append(("unpack", packed.region.index))
+        if isinstance(packed, Saved):
+            self.events.append(("unpack", packed.stored.region.index))
         return super()._unpack(packed)
 
 
@@ -114,7 +86,7 @@ def test_gradients_through_offloaded_regions_equal_the_plain_run():
     x = _input()
     plain = _step(_blocks(), x)
     x.grad = None
-    offloader = Offloader(lanes_for=_fake_lanes([]), min_bytes=0)
+    offloader = cpu_offloader()
     ours = _step(_blocks(), x, offloader)
     assert_same(ours, plain, "gradients")
     assert offloader.stats.tensors_offloaded > 0
@@ -125,7 +97,7 @@ def test_retained_graph_is_unpacked_again_and_buffers_return_only_when_freed():
     x = _input()
     plain = _step(_blocks(), x, retain_graph=True, backwards=2)
     x.grad = None
-    offloader = Offloader(lanes_for=_fake_lanes([]), min_bytes=0)
+    offloader = cpu_offloader()
     ours = _step(_blocks(), x, offloader, retain_graph=True, backwards=2)
     assert_same(ours, plain, "gradients after two backward passes")
     assert offloader.stats.bytes_fetched == 2 * offloader.stats.bytes_offloaded
@@ -133,7 +105,7 @@ def test_retained_graph_is_unpacked_again_and_buffers_return_only_when_freed():
 
 def test_host_buffers_are_reused_from_the_second_step_on():
     blocks, x = _blocks(), _input()
-    offloader = Offloader(lanes_for=_fake_lanes([]), min_bytes=0)
+    offloader = cpu_offloader()
     _step(blocks, x, offloader)
     after_first = offloader.pool.allocations
     assert after_first > 0 and offloader.pool.free_buffers() == after_first
@@ -145,7 +117,7 @@ def test_host_buffers_are_reused_from_the_second_step_on():
 
 
 def test_graph_kept_alive_keeps_its_buffers_lent():
-    offloader = Offloader(lanes_for=_fake_lanes([]), min_bytes=0)
+    offloader = cpu_offloader()
     x = torch.randn(4, 4, requires_grad=True)
     with offloader.region():
         y = x.exp().tanh()  # both save their result
@@ -157,7 +129,7 @@ def test_graph_kept_alive_keeps_its_buffers_lent():
 
 
 def test_backward_fetches_the_previous_region_before_it_is_reached():
-    offloader = _Logged(lanes_for=_fake_lanes([]), min_bytes=0)
+    offloader = _Logged(lanes_for=CpuLanes(), min_bytes=0)
     blocks, x = _blocks(layers=4), _input()
     _step(blocks, x, offloader)
     events = offloader.events
@@ -175,8 +147,8 @@ def test_backward_fetches_the_previous_region_before_it_is_reached():
 
 
 def test_copies_wait_for_the_compute_stream_and_for_the_buffer_last_reader():
-    log = []
-    offloader = Offloader(lanes_for=_fake_lanes(log), min_bytes=0)
+    offloader = cpu_offloader()
+    log = offloader._lanes_for.log
     blocks, x = _blocks(layers=1), _input()
     _step(blocks, x, offloader)
     log.clear()
@@ -188,7 +160,7 @@ def test_copies_wait_for_the_compute_stream_and_for_the_buffer_last_reader():
 
 
 def test_a_tensor_saved_twice_is_copied_once():
-    offloader = Offloader(lanes_for=_fake_lanes([]), min_bytes=0)
+    offloader = cpu_offloader()
     x = torch.randn(8, 8, requires_grad=True)
     with offloader.region():
         h = x.exp()  # saves its result, h
@@ -199,7 +171,7 @@ def test_a_tensor_saved_twice_is_copied_once():
 
 
 def test_tensors_below_the_threshold_stay():
-    offloader = Offloader(lanes_for=_fake_lanes([]), min_bytes=1 << 20)
+    offloader = cpu_offloader(min_bytes=1 << 20)
     x = _input()
     plain = _step(_blocks(), x)
     x.grad = None
@@ -207,24 +179,64 @@ def test_tensors_below_the_threshold_stay():
     assert offloader.stats.tensors_offloaded == 0 and offloader.pool.allocations == 0
 
 
-def test_pool_hands_back_a_buffer_of_the_same_size_with_its_last_reader():
+def test_pool_hands_back_a_buffer_of_its_size_class_with_its_last_reader():
     pool = HostPool()
-    first, reader = pool.take(64, pin=False)
-    assert reader is None and first.numel() == 64 and pool.lent == 1
+    first, reader = pool.take(5000, pin=False)
+    assert reader is None and first.numel() == size_class(5000) >= 5000 and pool.lent == 1
     pool.give(first, False, "event")
-    again, reader = pool.take(64, pin=False)
+    again, reader = pool.take(4900, pin=False)  # another size in the same class
     assert again is first and reader == "event" and pool.allocations == 1
-    other, _ = pool.take(128, pin=False)
-    assert other.numel() == 128 and pool.allocations == 2 and pool.allocated_bytes == 192
+    other, _ = pool.take(9000, pin=False)
+    assert other.numel() == size_class(9000) and pool.allocations == 2
+    assert pool.allocated_bytes == first.numel() + other.numel()
     pool.give(again, False)
     pool.give(other, False)
     assert pool.free_buffers() == 2 and pool.lent == 0
     pool.clear()
-    assert pool.free_buffers() == 0
+    assert pool.free_buffers() == 0 and pool.idle_bytes == 0
+
+
+@pytest.mark.parametrize("nbytes", [1, 511, 512, 513, 1000, 4097, 10**6, 3 * 2**20 + 7])
+def test_size_classes_waste_at_most_a_quarter(nbytes):
+    size = size_class(nbytes)
+    assert nbytes <= size and (size <= 512 or size <= 1.25 * nbytes)
+    assert size_class(size) == size  # a class is its own class
+
+
+def test_pool_reuses_a_larger_idle_buffer_up_to_twice_the_size():
+    pool = HostPool()
+    big, _ = pool.take(8192, pin=False)
+    pool.give(big, False)
+    reused, _ = pool.take(4500, pin=False)  # 8192 is under twice 4500's class
+    assert reused is big and pool.allocations == 1
+    pool.give(reused, False)
+    small, _ = pool.take(3000, pin=False)  # but more than twice 3000's: a new buffer
+    assert small is not big and pool.allocations == 2
+
+
+def test_pool_drops_the_least_recently_returned_beyond_its_cap():
+    pool = HostPool(max_idle_bytes=3 * 4096)
+    buffers = [pool.take(4096, pin=False)[0] for _ in range(5)]
+    for buffer in buffers:
+        pool.give(buffer, False)
+    assert pool.idle_bytes == 3 * 4096 and pool.evictions == 2
+    kept = [pool.take(4096, pin=False)[0] for _ in range(3)]
+    assert {id(b) for b in kept} == {id(b) for b in buffers[2:]}  # the first two went
+    with pytest.raises(ValueError, match="max_idle_bytes must be None or >= 0, got -1"):
+        HostPool(max_idle_bytes=-1)
+
+
+def test_pool_keeps_idle_at_most_what_it_ever_lent_at_once():
+    pool = HostPool()
+    for size in (4096, 8192, 16384):  # each step's buffers in a class of their own
+        taken = [pool.take(size, pin=False)[0] for _ in range(4)]
+        for buffer in taken:
+            pool.give(buffer, False)
+        assert pool.idle_bytes <= pool.peak_lent_bytes == 4 * size
 
 
 def test_offload_tier_uses_the_offloader_and_keeps_gradients(monkeypatch):
-    offloader = Offloader(lanes_for=_fake_lanes([]), min_bytes=0)
+    offloader = cpu_offloader()
     monkeypatch.setattr(_offload, "_DEFAULT", offloader)
     plain, model = _blocks(), _blocks()
     ckptwrap.wrap_model(model, "all;offload")
@@ -245,7 +257,7 @@ def test_offload_tier_uses_the_offloader_and_keeps_gradients(monkeypatch):
 
 
 def test_regions_that_never_ran_backward_do_not_pile_up():
-    offloader = Offloader(lanes_for=_fake_lanes([]), min_bytes=0)
+    offloader = cpu_offloader()
     x = torch.randn(4, 4, requires_grad=True)
     for _ in range(5):
         with offloader.region():
@@ -261,15 +273,27 @@ def test_regions_that_never_ran_backward_do_not_pile_up():
     ((6, 4), lambda t: t.t()),
     ((1, 8), lambda t: t.expand(5, 8)),
     ((4, 6), lambda t: t[:, 1:4]),
+    ((4, 6), lambda t: t[1:3, 2:]),
+    ((3, 8), lambda t: t.view(torch.int32)[:, 3:]),
 ])
 def test_views_come_back_with_their_strides(shape, make):
-    offloader = Offloader(lanes_for=_fake_lanes([]), min_bytes=0)
+    offloader = cpu_offloader()
     base = torch.randn(*shape)
     view = make(base)
-    packed = offloader._pack(offloader_region(offloader), view)
+    packed = offloader._pack(_offload._Region(offloader, 0, Keep(None)), view)
     back = offloader._unpack(packed)
-    assert back.stride() == view.stride() and back.shape == view.shape and torch.equal(back, view)
+    assert back.stride() == view.stride() and back.shape == view.shape and back.dtype == view.dtype
+    assert torch.equal(back, view)
 
 
-def offloader_region(offloader):
-    return _offload._Region(offloader, 0, set())
+def test_a_small_view_of_a_large_storage_copies_only_its_span():
+    offloader = cpu_offloader()
+    region = _offload._Region(offloader, 0, Keep(None))
+    base = torch.randn(64, 64)
+    row, rows = base[10], base[:40]
+    back = [offloader._unpack(offloader._pack(region, t)) for t in (row, rows, base[20, 3:9])]
+    assert [torch.equal(b, t) for b, t in zip(back, (row, rows, base[20, 3:9]))] == [True] * 3
+    # The row alone; then the first 40 rows, more than half, as the whole storage, which
+    # also serves the last view.
+    assert offloader.stats.tensors_offloaded == 2
+    assert offloader.stats.bytes_offloaded == row.nbytes + base.nbytes

@@ -1,0 +1,228 @@
+"""Every private torch name ckptwrap calls, looked up once at import, each with a fallback.
+
+Private names come and go between torch releases; one missing would otherwise fail deep
+in a training step. Each entry says which releases have it and what ckptwrap does
+without it (docs/gpu.md has the same list). Callers read these through this module
+(``_torch_private.graph_task_id()``), so a test can put a fallback in place.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import importlib
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+__all__ = [
+    "device_context_class",
+    "disable_current_modes",
+    "dropout_classes",
+    "fallbacks_in_use",
+    "function_mode_stack",
+    "global_forward_pre_hooks",
+    "graph_exec_group",
+    "graph_task_id",
+    "is_checkpoint_valid",
+    "make_saved_tensor",
+    "norm_classes",
+    "privateuse1_backend_name",
+    "profiler_enabled",
+    "pytree_node_type",
+    "pytree_nodes",
+    "queue_callback",
+    "sac_modes",
+    "tensor_is_view",
+]
+
+
+_FELL_BACK: List[str] = []
+
+
+def _lookup(owner: Any, name: str, fallback: Any) -> Any:
+    """``owner.name``, or ``fallback`` where ``owner`` or its attribute is missing."""
+    value = getattr(owner, name, None) if owner is not None else None
+    if value is None:
+        _FELL_BACK.append(name if owner is None else f"{getattr(owner, '__name__', owner)}.{name}")
+        return fallback
+    return value
+
+
+def fallbacks_in_use() -> List[str]:
+    """The private names this torch lacks (so their fallbacks are in use), for reports."""
+    return list(_FELL_BACK)
+
+
+def _import(module: str) -> Any:
+    """The module named ``module``, or None where this torch has no such module."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        return None
+
+
+# --- the non-re-entrant engine, on every unpack --------------------------------------
+
+def _no_graph_exec_group() -> None:
+    return None
+
+
+# Added with torch.utils.checkpoint.GraphExecGroup (pytorch#166536, November 2025: torch
+# 2.10 and later). Without it no GraphExecGroup can exist, so "no group" is exact.
+graph_exec_group: Callable[[], Any] = _lookup(
+    torch._C, "_get_graph_exec_group", _no_graph_exec_group
+)
+
+
+def _outside_backward() -> int:
+    return -1
+
+
+# The autograd engine's end-of-backward callback: every torch 1.x and 2.x.
+queue_callback: Optional[Callable[[Callable[[], None]], None]] = _lookup(
+    _lookup(torch.autograd.Variable, "_execution_engine", None), "queue_callback", None
+)
+# The running backward's graph task: torch 2.0 and later (torch's own non-re-entrant
+# checkpoint keys on it). Without it, or without the callback that drops what a partial
+# backward left over, every unpack counts as outside a backward: the region is
+# recomputed for each saved tensor it hands out, with the same gradients at more cost.
+graph_task_id: Callable[[], int] = (
+    _lookup(torch._C, "_current_graph_task_id", _outside_backward)
+    if queue_callback is not None
+    else _outside_backward
+)
+
+# SavedTensor made directly (pytorch#174333, February 2026: torch 2.12 and later). None:
+# the engine saves a region's inputs through a no-op autograd Function instead, with the
+# same hooks and the same gradients.
+make_saved_tensor: Optional[Callable[..., Any]] = _lookup(
+    _import("torch._C._autograd"), "_make_saved_tensor", None
+)
+
+# --- the re-entrant engine ------------------------------------------------------------
+
+# torch 1.x and later. Fallback: always valid, so misuse through torch.autograd.grad() is
+# not reported with ckptwrap's message (torch's own error, if any, is what remains).
+is_checkpoint_valid: Callable[[], bool] = _lookup(
+    torch.autograd, "_is_checkpoint_valid", lambda: True
+)
+
+
+def _is_view_by_base(tensor: torch.Tensor) -> bool:
+    return getattr(tensor, "_base", None) is not None
+
+
+# Tensor._is_view: torch 1.x and later. Fallback: a view is a tensor with a base.
+tensor_is_view: Callable[[torch.Tensor], bool] = _lookup(
+    torch.Tensor, "_is_view", _is_view_by_base
+)
+
+# --- device state captured at every region's forward -----------------------------------
+
+# torch 2.1 and later (renamable third backend). Fallback: the backend's default name, so
+# a renamed backend's autocast state is replayed only where its tensors are inputs.
+privateuse1_backend_name: Callable[[], str] = _lookup(
+    torch._C, "_get_privateuse1_backend_name", lambda: "privateuseone"
+)
+
+# ``with torch.device(...)`` as a mode: torch 2.0 and later. Fallback: no default-device
+# context is replayed, so factory calls without a device in a recomputation allocate on
+# the default device in force at backward (the same one, in a usual training loop).
+function_mode_stack: Callable[[], List[Any]] = _lookup(
+    torch.overrides, "_get_current_function_mode_stack", lambda: []
+)
+device_context_class: Optional[type] = _lookup(_import("torch.utils._device"), "DeviceContext", None)
+
+# --- pytree: tensors nested in a region's arguments and outputs -------------------------
+
+
+class _Node(NamedTuple):
+    """What torch's pytree registry holds per container type (its NodeDef's two fns)."""
+
+    flatten_fn: Callable[[Any], Tuple[List[Any], Any]]
+    unflatten_fn: Callable[[List[Any], Any], Any]
+
+
+def _namedtuple_node_type(obj: Any) -> Any:
+    kind = type(obj)
+    if issubclass(kind, tuple) and hasattr(kind, "_fields"):
+        return collections.namedtuple
+    return kind
+
+
+def _dict_items(d: Dict[Any, Any]) -> Tuple[List[Any], Any]:
+    return list(d.values()), (type(d), list(d.keys()))
+
+
+def _dict_rebuild(values: List[Any], context: Any) -> Any:
+    kind, keys = context
+    return kind(zip(keys, values))
+
+
+_BUILTIN_NODES: Dict[Any, _Node] = {
+    tuple: _Node(lambda t: (list(t), None), lambda values, _: tuple(values)),
+    list: _Node(lambda t: (list(t), None), lambda values, _: list(values)),
+    dict: _Node(_dict_items, _dict_rebuild),
+    collections.OrderedDict: _Node(_dict_items, _dict_rebuild),
+    collections.namedtuple: _Node(lambda t: (list(t), type(t)), lambda values, kind: kind(*values)),
+}
+
+_pytree = _import("torch.utils._pytree")
+# torch 1.x and later (namedtuples folded into one node type). Fallback: the same rule.
+pytree_node_type: Callable[[Any], Any] = _lookup(_pytree, "_get_node_type", _namedtuple_node_type)
+# The registry (torch 1.x and later). Fallback: tuples, lists, dicts and namedtuples only;
+# a type another library registered (Hugging Face ModelOutput) is then a leaf.
+pytree_nodes: Dict[Any, Any] = _lookup(_pytree, "SUPPORTED_NODES", _BUILTIN_NODES)
+
+# --- the marking layer, on every wrapped forward ----------------------------------------
+
+# torch 2.0 and later. Fallback: nothing suspended, so BatchNorm's running statistics are
+# snapshotted inside the recomputation's dispatch modes: plain regions are unaffected, a
+# selective region holding BatchNorm fails in backward (torch's replay mode refuses the
+# snapshot's copies), never with statistics updated twice.
+disable_current_modes: Callable[[], Any] = _lookup(
+    _import("torch.utils._python_dispatch"), "_disable_current_modes", contextlib.nullcontext
+)
+
+# The base of torch's BatchNorm and InstanceNorm classes: torch 1.x and later. Fallback:
+# those classes by name, missing only third-party subclasses of the private base.
+norm_classes: Any = _lookup(
+    torch.nn.modules.batchnorm,
+    "_NormBase",
+    (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
+     nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d),
+)
+
+# Hooks registered by nn.modules.module.register_module_forward_pre_hook: torch 1.x and
+# later. Fallback None: callers assume such a hook may be present (see _forwards).
+global_forward_pre_hooks: Optional[Dict[Any, Any]] = _lookup(
+    torch.nn.modules.module, "_global_forward_pre_hooks", None
+)
+
+# torch's selective-checkpoint modes (torch 2.4 and later), extended to name the module
+# and operator when a saved output was changed in place. None: torch's own contexts,
+# with torch's own bare error.
+sac_modes: Optional[Tuple[type, type]] = (
+    _lookup(torch.utils.checkpoint, "_CachingTorchDispatchMode", None),
+    _lookup(torch.utils.checkpoint, "_CachedTorchDispatchMode", None),
+)
+if None in sac_modes:
+    sac_modes = None
+
+# --- planning and diagnostics (not on the training step's path) -------------------------
+
+# torch 1.x and later. Fallback: assume a profiler may be running, so the planner does
+# not start one of its own (its peaks then come from the dispatch-mode moments).
+profiler_enabled: Callable[[], bool] = _lookup(
+    _import("torch._C._autograd"), "_profiler_enabled", lambda: True
+)
+
+# The base of torch's dropout modules: torch 1.x and later. Fallback: those classes.
+dropout_classes: Any = _lookup(
+    torch.nn.modules.dropout,
+    "_DropoutNd",
+    (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout),
+)
