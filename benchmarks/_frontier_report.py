@@ -160,17 +160,18 @@ def targets(rows: Sequence[Row], fractions: Sequence[float]) -> List[str]:
 def _budget_lines(rows: Sequence[Row], none: int, what: str, least: Optional[int]) -> List[str]:
     """Targets (1) and (2) for one kind of ckptwrap budget row: its budget is a share of
     eager ``none``'s step peak, compiled or not. A refusal is right when no measured plan
-    (``least``: the lowest step peak of the eager ckptwrap rows) fits the budget. Under
+    (``least``: the lowest step peak of the eager ckptwrap rows) fits the budget itself. Under
     compile the plan is priced for eager execution and the compiler's partitioner decides
     what is saved, so a compiled row's peak is shown, not judged."""
     lines, slack = [], SLACK * none
     for row in rows:
         label = row.label
         if row.run is None:
-            cap = row.fraction * none + slack
+            # The planner's promise is the budget itself, with no slack.
+            cap = row.fraction * none
             right = least is not None and least > cap
             reason = (f"the least measured step peak of any plan, {_mib(least)}, is above "
-                      f"{_mib(cap)}" if right else row.error)
+                      f"the budget, {_mib(cap)}" if right else row.error)
             lines.append(_line(right, f"(1) {label} refused: {reason}"))
             continue
         plan, fraction = row.plan, row.fraction
