@@ -25,6 +25,7 @@ import dataclasses
 import pickle
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
+import torch
 from torch import nn
 
 from .._errors import CheckpointConfigError
@@ -176,10 +177,16 @@ class ShapePlanner:
         return None if index is None else self._layouts[index].layout.describe(sizes)
 
     def _find(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Optional[int], Sizes]:
-        for index, costs in enumerate(self._layouts):
-            sizes = costs.layout.sizes_of(args, kwargs)
-            if sizes is not None:
-                return index, sizes
+        """The measured layout these inputs fit, and their sizes in it. A keyword argument
+        holding a 0-dim tensor that the measured inputs lacked (the Trainer's
+        ``num_items_in_batch``, a loss scale) is looked past: it moves no activation."""
+        scalars = {k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.dim() == 0}
+        tries = [kwargs, {k: v for k, v in kwargs.items() if k not in scalars}] if scalars else [kwargs]
+        for given in tries:
+            for index, costs in enumerate(self._layouts):
+                sizes = costs.layout.sizes_of(args, given)
+                if sizes is not None:
+                    return index, sizes
         return None, ()
 
     def _budget(self, plain: int, *, planned: bool = True) -> Optional[int]:

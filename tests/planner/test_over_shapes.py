@@ -67,3 +67,18 @@ def test_step_peaks_at_shapes_never_profiled_are_predicted_within_5_percent(name
         assert abs(applied.plain_peak - plain_peak) <= TOLERANCE * plain_peak, (rows, length, applied.plain_peak, plain_peak)
     assert _planner(model).measurements == measured_runs, "the cost model alone made the plans"
     assert len(checkpointed) >= 2, checkpointed  # the plans differ from shape to shape
+
+
+def test_a_scalar_keyword_the_example_lacked_is_planned_without_measuring_again():
+    # The Trainer adds num_items_in_batch (a 0-dim tensor) to the batch it passes.
+    example = ZOO["gpt2"](4, 32)
+    model = ckptwrap.wrap_model(example.model, "budget:60%", example_inputs=example.args,
+                                example_kwargs=example.kwargs)
+    measured_runs = _planner(model).measurements
+    batch = dict(example.kwargs, num_items_in_batch=torch.tensor(4 * 31))
+    example.loss(model(*example.args, **batch)).backward()
+    assert _planner(model).measurements == measured_runs, "measured again for a scalar"
+    longer = ZOO["gpt2"](4, 64)
+    batch = dict(longer.kwargs, num_items_in_batch=torch.tensor(4 * 63))
+    model(*longer.args, **batch)
+    assert _planner(model).measurements == measured_runs, "a new length is a solve"
