@@ -16,12 +16,19 @@ import copy
 import functools
 import inspect
 import sys
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-__all__ = ["cache_free_arguments", "fresh_caches", "hf_layer_class", "is_hf_layer_class"]
+__all__ = [
+    "cache_free_arguments",
+    "checkpointing_flagged",
+    "checkpointing_on",
+    "fresh_caches",
+    "hf_layer_class",
+    "is_hf_layer_class",
+]
 
 _LAYERS_MODULE = "transformers.modeling_layers"
 _LAYER_CLASS = "GradientCheckpointingLayer"
@@ -58,6 +65,20 @@ def _looked_up(cls: type) -> bool:
 # Under torch.compile, called eagerly and its answer built into the graph: traced, the
 # look-up in sys.modules would guard on its size, and any later import would recompile.
 _looked_up_eagerly = torch.compiler.assume_constant_result(_looked_up)
+
+
+_FLAG = "gradient_checkpointing"
+
+
+def checkpointing_flagged(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """The modules of ``model`` that carry transformers' own ``gradient_checkpointing``
+    flag (its layers, and some models' stacks), by qualified name."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(getattr(m, _FLAG, None), bool)]
+
+
+def checkpointing_on(module: nn.Module) -> bool:
+    """Whether transformers' own gradient checkpointing is on for ``module``."""
+    return getattr(module, _FLAG, None) is True
 
 
 def fresh_caches(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:

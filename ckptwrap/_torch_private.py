@@ -18,6 +18,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 __all__ = [
+    "checkpoint_debug_switch",
     "device_context_class",
     "disable_current_modes",
     "dropout_classes",
@@ -101,6 +102,14 @@ graph_task_id: Callable[[], int] = (
 make_saved_tensor: Optional[Callable[..., Any]] = _lookup(
     _import("torch._C._autograd"), "_make_saved_tensor", None
 )
+
+def checkpoint_debug_switch() -> Optional[bool]:
+    """``torch.utils.checkpoint.set_checkpoint_debug_enabled``'s setting, read at each
+    checkpoint (the context manager rebinds a module global): True or False inside it,
+    None outside it or on a torch without the switch, where ``debug=`` decides."""
+    value = getattr(torch.utils.checkpoint, "_checkpoint_debug_enabled", None)
+    return value if isinstance(value, bool) else None
+
 
 # --- the re-entrant engine ------------------------------------------------------------
 

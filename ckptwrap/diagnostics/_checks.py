@@ -9,6 +9,7 @@ from typing import Dict, List, Optional, Set
 from torch import nn
 
 from .. import _torch_private
+from .._hf import checkpointing_flagged, checkpointing_on
 from ..planner import ModelProfile
 from ._regions import Region
 from ._report import Finding
@@ -88,10 +89,7 @@ def check_transformers_checkpointing(
 ) -> List[Finding]:
     """Regions that transformers' own gradient checkpointing also checkpoints: layers whose
     ``gradient_checkpointing`` flag is on, inside a region or around one."""
-    flagged = [
-        name for name, module in model.named_modules()
-        if getattr(module, "gradient_checkpointing", None) is True
-    ]
+    flagged = [name for name, module in checkpointing_flagged(model) if checkpointing_on(module)]
     findings = []
     for region in regions:
         overlaps = [

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any, Callable, ContextManager, Optional, Sequence, Tuple, Union
 
 import torch
-import torch.utils.checkpoint
 
+from .. import _torch_private
 from .._errors import CheckpointConfigError
 from . import _state
 from ._nonreentrant import run_checkpointed
@@ -103,8 +103,8 @@ def checkpoint(
         )
     if use_reentrant:
         return run_reentrant(fn, args, preserve_rng_state=preserve_rng_state)
-    switched = getattr(torch.utils.checkpoint, "_checkpoint_debug_enabled", None)
-    if isinstance(switched, bool):  # torch.utils.checkpoint.set_checkpoint_debug_enabled
+    switched = _torch_private.checkpoint_debug_switch()
+    if switched is not None:  # torch.utils.checkpoint.set_checkpoint_debug_enabled
         debug = switched
     return run_checkpointed(
         fn,

@@ -15,7 +15,7 @@ from torch import nn
 from ..planner import Plan, PlanEntry
 from ._forwards import _CheckpointedForward, _SegmentMember, entry_options
 
-__all__ = ["PLAN_ATTRIBUTE", "apply_plan", "in_model_order", "mark", "named", "unmark"]
+__all__ = ["PLAN_ATTRIBUTE", "apply_plan", "mark", "named", "unmark"]
 
 PLAN_ATTRIBUTE = "ckptwrap_plan"
 
@@ -79,7 +79,7 @@ def recorded(model: nn.Module, applied: Plan, modules: Dict[str, nn.Module]) -> 
         if entry.name in modules
         and isinstance(modules[entry.name].__dict__.get("forward"), (_CheckpointedForward, _SegmentMember))
     ]
-    selected = in_model_order(modules, [*kept, *applied.selected])
+    selected = _in_model_order(modules, [*kept, *applied.selected])
     names = {entry.name for entry in selected}
     dropped = [item for item in existing.dropped if item[0] not in names]
     dropped += [item for item in applied.dropped if item[0] not in names and item not in dropped]
@@ -93,7 +93,7 @@ def recorded(model: nn.Module, applied: Plan, modules: Dict[str, nn.Module]) -> 
     )
 
 
-def in_model_order(modules: Dict[str, nn.Module], entries: List[PlanEntry]) -> Tuple[PlanEntry, ...]:
+def _in_model_order(modules: Dict[str, nn.Module], entries: List[PlanEntry]) -> Tuple[PlanEntry, ...]:
     """``entries`` sorted as ``model.named_modules()`` lists their modules."""
     order = {name: position for position, name in enumerate(modules)}
     return tuple(sorted(entries, key=lambda entry: order[entry.name]))

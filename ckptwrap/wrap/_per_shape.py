@@ -15,7 +15,7 @@ from torch import nn
 from .._compiling import outside_graph
 from .._warn import note
 from ..planner import Plan, ShapePlanner, is_measuring
-from ._marks import PLAN_ATTRIBUTE, apply_plan, in_model_order, mark, named, unmark
+from ._marks import PLAN_ATTRIBUTE, apply_plan, mark, named, unmark
 from ._planning import measured
 
 __all__ = ["PlanPerShape", "remove_pending"]
@@ -83,22 +83,13 @@ class PlanPerShape:
 
     def _mark_recorded(self, model: nn.Module, new: Plan, record: Any) -> None:
         """Mark ``new``'s modules (this hook's old ones are unmarked) and record it as the
-        model's plan, beside what other wrappings marked."""
-        modules = mark(model, new)
-        old = set(self.applied.names) if self.applied is not None else set()
+        model's plan. No other wrapping marks this model (``wrap_model`` refuses a budget
+        beside another), so the plan is this hook's, under the policy recorded."""
+        mark(model, new)
         self.applied = new
-        if not isinstance(record, Plan) or record.pending:
-            setattr(model, PLAN_ATTRIBUTE, new)
-            return
-        others = [entry for entry in record.selected if entry.name not in old]
-        selected = in_model_order(modules, [*others, *new.selected])
-        names = {entry.name for entry in selected}
-        setattr(model, PLAN_ATTRIBUTE, dataclasses.replace(
-            new,
-            policy=record.policy,
-            selected=selected,
-            dropped=tuple(item for item in new.dropped if item[0] not in names),
-        ))
+        if isinstance(record, Plan) and not record.pending:
+            new = dataclasses.replace(new, policy=record.policy)
+        setattr(model, PLAN_ATTRIBUTE, new)
 
 
 def _plan_eagerly(hook: PlanPerShape, model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:

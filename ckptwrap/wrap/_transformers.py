@@ -18,41 +18,34 @@ from typing import Any, Callable, Dict, List, Tuple
 from torch import nn
 
 from .._compiling import outside_graph
+from .._hf import checkpointing_flagged, checkpointing_on
 from .._warn import warn
 
 __all__ = ["TransformersSwitch", "switch_of"]
-
-_FLAG = "gradient_checkpointing"
-
-
-def _flagged(model: nn.Module) -> List[nn.Module]:
-    """The modules that carry transformers' flag (its layers, and some models' stacks)."""
-    return [m for m in model.modules() if isinstance(getattr(m, _FLAG, None), bool)]
-
 
 class TransformersSwitch:
     """Forward pre-hook of a wrapped model that keeps transformers' checkpointing off while
     ``marks_anything(model)`` holds; remembers what it turned off, to turn it back on."""
 
     def __init__(self, model: nn.Module, marks_anything: Callable[[nn.Module], bool]) -> None:
-        self.flagged = _flagged(model)
+        self.flagged = [module for _, module in checkpointing_flagged(model)]
         self.marks_anything = marks_anything
         self.turned_off: List[nn.Module] = []
         self.said = False
 
     def __call__(self, model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
-        if model.training and any(getattr(m, _FLAG, False) is True for m in self.flagged):
+        if model.training and any(checkpointing_on(m) for m in self.flagged):
             _switch_off_outside_graph(self, model)
         return None
 
     def switch_off(self, model: nn.Module, force: bool = False) -> None:
         """Turn transformers' flags off if ckptwrap checkpoints anything in ``model`` (or
         is about to: ``force``)."""
-        on = [m for m in self.flagged if getattr(m, _FLAG, False) is True]
+        on = [m for m in self.flagged if checkpointing_on(m)]
         if not on or not (force or self.marks_anything(model)):
             return
         for module in on:
-            setattr(module, _FLAG, False)
+            module.gradient_checkpointing = False
         self.turned_off.extend(m for m in on if all(m is not t for t in self.turned_off))
         if self.said:
             return
@@ -69,7 +62,7 @@ class TransformersSwitch:
     def turn_back_on(self) -> None:
         """Turn back on the flags this switch turned off (for ``unwrap_model``)."""
         for module in self.turned_off:
-            setattr(module, _FLAG, True)
+            module.gradient_checkpointing = True
         self.turned_off.clear()
 
 
