@@ -28,6 +28,7 @@ __all__ = [
     "graph_exec_group",
     "graph_task_id",
     "is_checkpoint_valid",
+    "legacy_memory_profiler",
     "make_saved_tensor",
     "norm_classes",
     "privateuse1_backend_name",
@@ -223,8 +224,8 @@ if None in sac_modes:
 
 # --- planning and diagnostics (not on the training step's path) -------------------------
 
-# torch 1.x and later. Fallback: assume a profiler may be running, so the planner does
-# not start one of its own (its peaks then come from the dispatch-mode moments).
+# torch 1.x and later. Fallback: assume a profiler may be running, so that none is started
+# beside it (a CPU convolution's own allocations are then bounded, not read).
 profiler_enabled: Callable[[], bool] = _lookup(
     _import("torch._C._autograd"), "_profiler_enabled", lambda: True
 )
@@ -235,3 +236,29 @@ dropout_classes: Any = _lookup(
     "_DropoutNd",
     (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout),
 )
+
+
+def _legacy_memory_profiler() -> Optional[Tuple[Callable[..., None], Callable[[], Any], Callable[[], Any]]]:
+    """(enable, disable, config): torch's legacy autograd profiler set to report the CPU
+    allocator's events on the calling thread, with no profiler library behind it; None
+    where any part of it is missing."""
+    autograd = _import("torch._C._autograd")
+    profiler = _import("torch._C._profiler")
+    enable = getattr(autograd, "_enable_profiler_legacy", None)
+    disable = getattr(autograd, "_disable_profiler_legacy", None)
+    config_class = getattr(torch.autograd, "ProfilerConfig", None)
+    state = getattr(getattr(torch.autograd, "ProfilerState", None), "CPU", None)
+    experimental = getattr(profiler, "_ExperimentalConfig", None)
+    if None in (enable, disable, config_class, state, experimental):
+        _FELL_BACK.append("legacy_memory_profiler")
+        return None
+
+    def config() -> Any:
+        # state, shapes, memory, stack, flops, modules, experimental
+        return config_class(state, False, True, False, False, False, experimental())
+
+    return enable, disable, config
+
+
+# The legacy profiler, for reading a CPU operator's own allocations (``measure._workspace``).
+legacy_memory_profiler = _legacy_memory_profiler()

@@ -57,7 +57,8 @@ class RunResult:
 
     name: str
     wrapped: int
-    """Modules checkpointed; a ``budget:`` plan counts once it is applied, on the first step."""
+    """Modules checkpointed after the last step (a ``budget:`` plan measures its first step
+    under the plan of least memory, then applies the plan solved from it)."""
     peak_bytes: int
     step_ms: List[float]
     first_grads: Dict[str, torch.Tensor]
@@ -111,7 +112,7 @@ class Trainer:
             _synchronize(self.device)
             self.result.step_ms.append((time.perf_counter() - start) * 1000)
         self.result.losses.append(loss.item())
-        # A budget: plan waits for the first training forward to measure, then applies.
+        # A budget: plan measures its first training step, then applies the plan solved.
         self.result.wrapped = _checkpointed(self.model)
 
 

@@ -409,14 +409,17 @@ def test_pareto_profiles_the_model_once_and_draws_what_the_table_says(capsys, mo
     from ckptwrap.planner import _profile
 
     calls = []
-    original = _profile.Session.run
+    original = _profile.measure_inputs
 
-    def counting_run(self):
-        calls.append(self)
-        return original(self)
+    def counting(*args, **kwargs):
+        calls.append(args)
+        return original(*args, **kwargs)
 
-    # Session.run is where every profile goes, whichever module calls profile_modules.
-    monkeypatch.setattr(_profile.Session, "run", counting_run)
+    # measure_inputs is where every profile on given inputs goes, whoever asks for it.
+    monkeypatch.setattr(_profile, "measure_inputs", counting)
+    from ckptwrap.planner import _planner
+
+    monkeypatch.setattr(_planner, "measure_inputs", counting)
     drawn = []
     monkeypatch.setattr(cli, "_figure_module", lambda path: object())  # no matplotlib needed
     monkeypatch.setattr(cli, "_draw", lambda figure, path, line, references, title: drawn.append(references))

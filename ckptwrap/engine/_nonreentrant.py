@@ -5,11 +5,10 @@ During the forward of a region every tensor autograd wants to save is replaced b
 the forward's device state and each tensor it saves is routed into the matching holder;
 with early stop the rerun ends as soon as the last holder still alive has been filled.
 
-Nesting follows from two rules: a region's inputs are themselves saved tensors of the
-enclosing region (so unpacking them recomputes the parent first), and a recomputation
-starts with no placeholder hooks in force (checkpoints met while recomputing still apply).
-Recomputed values belong to one backward call (its graph task) and are dropped when
-unpacked or, for a partial backward, when that backward ends.
+Nesting follows from two rules: a region's inputs are saved tensors of the enclosing
+region (unpacking them recomputes the parent first), and a recomputation starts with no
+placeholder hooks in force. Recomputed values belong to one backward call (its graph
+task), dropped when unpacked or, for a partial backward, when that backward ends.
 """
 
 from __future__ import annotations
@@ -277,7 +276,7 @@ def _recompute(frame: _Frame, gid: Any) -> None:
     run.verify(stopped)
 
 
-def _make_hooks(frame: _Frame) -> saved_tensors_hooks:
+def _make_hooks(frame: _Frame, observer: Optional[_state.Watch]) -> saved_tensors_hooks:
     holders, metas, checked = frame.holders, frame.metas, frame.checked
 
     def pack(tensor: torch.Tensor) -> _Holder:
@@ -285,6 +284,8 @@ def _make_hooks(frame: _Frame) -> saved_tensors_hooks:
         holders.append(weakref.ref(holder))
         if checked:
             metas.append(_meta(tensor))
+        if observer is not None:
+            observer.saved(tensor)
         return holder
 
     def unpack(holder: _Holder) -> torch.Tensor:
@@ -329,10 +330,13 @@ def run_checkpointed(
     early_stop: bool,
 ) -> Any:
     """Run ``fn(*args, **kwargs)`` so that its saved tensors are recomputed in backward."""
+    observer = _state.saved_observer()
     inputs = _SavedInputs(args, kwargs)
     devices = inputs.devices
     cuda_was_ready = torch.cuda.is_initialized()
     state = _device.capture_device_state(devices, preserve_rng_state=preserve_rng_state)
+    if observer is not None and observer.kept is not None and state.cpu_rng is not None:
+        observer.kept(state.cpu_rng)
 
     forward_ctx: ContextManager = contextlib.nullcontext()
     recompute_ctx: ContextManager = contextlib.nullcontext()
@@ -353,7 +357,9 @@ def run_checkpointed(
     )
     completed = False
     with contextlib.ExitStack() as stack:
-        stack.enter_context(_make_hooks(frame))
+        stack.enter_context(_make_hooks(frame, observer))
+        # Regions entered inside this one report to no one: they keep what they save.
+        stack.enter_context(_state.observe_saved(None))
         stack.enter_context(forward_ctx)
         if recorders is not None:
             stack.enter_context(recorders[0])

@@ -1,6 +1,7 @@
-"""Context-local engine state: the early-stop setting and whether a recomputation is running.
+"""Context-local engine state: the early-stop setting, whether a recomputation is running,
+and who watches what the next region's forward saves.
 
-Both live in ``contextvars`` so that threads and asyncio tasks never see each other's
+All live in ``contextvars`` so that threads and asyncio tasks never see each other's
 values, and both are changed only through context managers that restore them in ``finally``.
 """
 
@@ -8,15 +9,39 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Iterator, Optional
+from typing import Callable, Iterator, NamedTuple, Optional
 
-__all__ = ["set_checkpoint_early_stop", "is_recomputing", "early_stop_setting", "recomputing"]
+import torch
+
+__all__ = [
+    "early_stop_setting",
+    "is_recomputing",
+    "observe_saved",
+    "recomputing",
+    "saved_observer",
+    "set_checkpoint_early_stop",
+]
+
+SavedObserver = Callable[[torch.Tensor], None]
+
+
+class Watch(NamedTuple):
+    """Who is told what the next region keeps (see :func:`observe_saved`)."""
+
+    saved: SavedObserver
+    """Told of each tensor the region's forward saves for backward."""
+    kept: Optional[SavedObserver]
+    """Told of each tensor the engine itself keeps for the recomputation (the CPU
+    generator's state it replays)."""
 
 _EARLY_STOP: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar(
     "ckptwrap_early_stop", default=None
 )
 _RECOMPUTING: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "ckptwrap_recomputing", default=False
+)
+_OBSERVER: contextvars.ContextVar[Optional[Watch]] = contextvars.ContextVar(
+    "ckptwrap_saved_observer", default=None
 )
 
 
@@ -82,3 +107,26 @@ def recomputing() -> Iterator[None]:
         yield
     finally:
         _RECOMPUTING.reset(token)
+
+
+@contextlib.contextmanager
+def observe_saved(observer: Optional[SavedObserver], kept: Optional[SavedObserver] = None) -> Iterator[None]:
+    """Report to ``observer`` every tensor that the forward of the next non-re-entrant
+    region entered inside the block saves for backward: the tensors its placeholders stand
+    for, before they are dropped; and to ``kept`` each tensor the engine keeps for that
+    region's recomputation (the CPU generator's state). Regions entered inside that
+    region's forward report nothing (they keep what they save themselves). A meter of what
+    a region would keep if it were not checkpointed watches through this; the region runs
+    exactly as without it.
+    """
+    token = _OBSERVER.set(None if observer is None else Watch(observer, kept))
+    try:
+        yield
+    finally:
+        _OBSERVER.reset(token)
+
+
+def saved_observer() -> Optional[Watch]:
+    """The observer the next region entered now reports to (see :func:`observe_saved`);
+    while a region's inputs are being saved on its entry, that region's observer."""
+    return _OBSERVER.get()

@@ -6,6 +6,7 @@ and counts tensor storages as they are created and freed on the CPU (``StorageCo
 """
 
 from ._peak import PeakMemory, StorageCounter, measure_peak
+from ._span import SpanPeak, StepSpan
 from ._storages import (
     SavePolicy,
     StorageMap,
@@ -20,6 +21,8 @@ from ._storages import (
 __all__ = [
     "PeakMemory",
     "SavePolicy",
+    "SpanPeak",
+    "StepSpan",
     "StorageCounter",
     "StorageMap",
     "Tally",

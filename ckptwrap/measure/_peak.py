@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from .._errors import CheckpointConfigError
+from ._workspace import run_held
 
 __all__ = ["PeakMemory", "StorageCounter", "measure_peak"]
 
@@ -166,6 +167,9 @@ class StorageCounter(TorchDispatchMode):
         device_type: The device whose storages count (``"cpu"``, ``"cuda"``...).
         trace: Also keep ``moments``: the live bytes after each operator that created a
             storage, the points at which the count can reach its peak.
+        workspaces: Also count, as a moment of its own, what an operator is known to hold
+            while it runs beyond its outputs (``_workspace``: CPU convolutions), so that
+            the peak is the allocator's, not only the outputs'.
 
     Attributes:
         peak_bytes: The highest count so far.
@@ -173,10 +177,11 @@ class StorageCounter(TorchDispatchMode):
         moments: With ``trace``, the live bytes after each operator that created storage.
     """
 
-    def __init__(self, device_type: str, *, trace: bool = False) -> None:
+    def __init__(self, device_type: str, *, trace: bool = False, workspaces: bool = False) -> None:
         super().__init__()
         self._device_type = device_type
         self._trace = trace
+        self._workspaces = workspaces
         self.moments: List[int] = []
         self.created_bytes = 0
         # Storages counted and still alive: key -> bytes counted for it, and the weak
@@ -191,21 +196,51 @@ class StorageCounter(TorchDispatchMode):
         self._live = 0
         self._closed = False
         self.peak_bytes = 0
+        self.ops = 0
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # A meter: torch.compile compiles as if it were not there (and a closed one left on
+        # the stack never keeps a frame from compiling); compiled code's operators count.
+        return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if not self._closed:
+        if self._closed:
+            return func(*args, **kwargs)
+        self.ops += 1
+        if not self._workspaces:
+            out = func(*args, **kwargs)
             self._record(out, args, kwargs)
+            return out
+        before = self.live_bytes
+        out, held = run_held(func, args, kwargs)
+        self._record(out, args, kwargs)
+        if held and before + held > self.live_bytes:
+            with self._lock:
+                self._peak_at(before + held)
         return out
 
     def __exit__(self, exc_type, exc_value, traceback):
-        # Storages that outlive the block must not call back into a finished count, and
-        # detaching now lets this object be freed before they are.
-        self._closed = True
-        self._refs.clear()
-        self._sizes.clear()
+        self.close()
         return super().__exit__(exc_type, exc_value, traceback)
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes of the storages counted that are alive now."""
+        with self._lock:
+            while self._freed:
+                self._live -= self._freed.pop()
+            return self._live
+
+    def close(self) -> None:
+        """Stop counting (operators met afterwards run through uncounted). Storages that
+        outlive the count must not call back into it, and dropping them now lets this
+        object be freed before they are."""
+        self._closed = True
+        with self._lock:
+            self._refs.clear()
+            self._sizes.clear()
 
     def _record(self, out: Any, args: Any, kwargs: Any) -> None:
         """Count the storages among ``out`` that this operator created."""
@@ -214,6 +249,22 @@ class StorageCounter(TorchDispatchMode):
         if self._trace and self.created_bytes != before:
             with self._lock:
                 self.moments.append(self._live)
+
+    def adopt(self, tensor: torch.Tensor) -> None:
+        """Count ``tensor``'s storage from now until it is freed, as if an operator had
+        made it: a tensor made outside the dispatcher (a generator's state)."""
+        if not self._closed:
+            before = self.created_bytes
+            self._count_outputs(tensor, (), {})
+            if self._trace and self.created_bytes != before:
+                with self._lock:
+                    self.moments.append(self._live)
+
+    def _peak_at(self, nbytes: int) -> None:
+        """A moment at which ``nbytes`` were held; the lock is held."""
+        self.peak_bytes = max(self.peak_bytes, nbytes)
+        if self._trace:
+            self.moments.append(nbytes)
 
     def _count_outputs(self, out: Any, args: Any, kwargs: Any) -> None:
         input_keys: Set[int] | None = None

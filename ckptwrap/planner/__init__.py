@@ -1,12 +1,13 @@
 """The budget planner, in one place: profiling for plans, costs over input shapes, and the
 solver that turns them into a :class:`Plan`.
 
-``ShapePlanner`` is the interface the marking layer plans through: given a model and one
-training forward's inputs, it returns the :class:`Choice` of a plan (measuring the costs
-of that layout of inputs the first time). The rest is for the tools around it: the
-profiler (``profile_modules``), the peak model and solver (``CostItem``,
-``predicted_peak``, ``solve_budget``), the items of a profile (``forward_items``,
-``with_step_terms``).
+``ShapePlanner`` is the interface the marking layer plans through: for each training
+forward it returns a :class:`Decision` (the plan solved for that shape, or: run the plan
+of least memory and measure the step with a :class:`StepRecorder`, then hand the
+profile back), and it takes the readings of checked steps. The rest is for the tools
+around it: the profiler on given inputs (``profile_modules``), the peak model and solver
+(``CostItem``, ``predicted_peak``, ``solve_budget``), the items of a profile
+(``forward_items``, ``with_step_terms``).
 """
 
 from ._choose import Choice, step_items
@@ -16,9 +17,10 @@ from ._items import forward_items, forward_levels, with_step_terms
 from ._ops import OpCost, packet_name
 from ._plan import Plan, PlanEntry
 from ._measuring import PlanSettings, is_measuring, region_bytes
-from ._planner import ShapePlanner, resolve_budget
+from ._planner import Decision, ShapePlanner, resolve_budget
+from ._recorder import StepRecorder
 from ._module_costs import ModelProfile, ModuleCost
-from ._profile import profile_modules
+from ._profile import profile_modules, step_device
 from ._solver import (
     BudgetSolution,
     PercentBudget,
@@ -34,6 +36,7 @@ __all__ = [
     "Choice",
     "CostItem",
     "CostOption",
+    "Decision",
     "InputLayout",
     "ModelProfile",
     "ModuleCost",
@@ -44,6 +47,7 @@ __all__ = [
     "PlanSettings",
     "ShapePlanner",
     "StepPeaks",
+    "StepRecorder",
     "as_example",
     "format_bytes",
     "is_measuring",
@@ -59,6 +63,7 @@ __all__ = [
     "resolve_budget",
     "smallest_reachable_peak",
     "solve_budget",
+    "step_device",
     "step_items",
     "with_step_terms",
 ]

@@ -1,33 +1,36 @@
-"""Costs over input shapes: every term of profiles measured at a few small shapes, fitted
-as a polynomial in the inputs' shape variables, so that the profile at any other shape is
-a few dot products rather than a new measurement.
+"""Costs over input shapes: every term of the profiles of real steps, measured at the
+shapes the caller's inputs took, fitted as a polynomial in the inputs' shape variables,
+so that the profile at another shape is a few dot products rather than a new measurement.
 
 Bytes that storages hold are sums of tensor sizes, so each is a polynomial in the batch
-``b`` and the lengths: the fit uses every monomial of degree at most 1 in ``b`` and at most
-2 in the lengths together (``1, b, s, b*s, s^2, b*s^2`` for one length). A peak is not
-such a sum but the largest of its moments, and which moment is largest changes with the
-shape (the feed-forward's hidden states at short lengths, attention scores at long ones),
-so each moment is fitted, and a peak is the largest fitted moment. What the allocator
-held beyond the meter's moments (workspaces, where moments are counted at operators'
-outputs) is fitted as one more term.
+``b`` and the lengths: the fit draws on the monomials of degree at most 1 in ``b`` and
+at most 2 in the lengths together (``1, b, s, b*s, s^2, b*s^2`` for one length), taking
+those the measured shapes can tell apart (a batch that never changed is no variable; two
+lengths fit a line, three a parabola). Each term is then raised by its largest miss on
+the measured shapes, so that the fit lies on or above every one of them (a term that
+depends on content as well, such as attention with or without a padding mask, is
+followed at its highest). A peak is not such a sum but the largest of its moments, and
+which moment is largest changes with the shape (the feed-forward's hidden states at
+short lengths, attention scores at long ones), so each moment is fitted, and a peak is
+the largest fitted moment. What the allocator held beyond the meter's moments
+(workspaces, on accelerators) is fitted as one more term.
 
-Time does not scale from small shapes (they are all overhead), so seconds are modelled as
-``overhead + rate * work`` per candidate, ``work`` being its counted FLOPs plus its
-created bytes (both polynomials), the overhead the least seen at the small shapes and the
-rate set from the largest shape timed (the forward planned for, once it has run).
+Seconds are modelled per candidate as ``overhead + rate * work``, ``work`` being its
+counted FLOPs plus its created bytes (both polynomials), fitted to the measured steps.
+
+Whether a fit may stand for shapes not measured is decided by the planner, which trusts
+it once it has predicted a measured step it was not fitted on (``_learning``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import math
-import statistics
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 
-from ._profile import ModelProfile, ModuleCost
+from ._module_costs import ModelProfile, ModuleCost
+from ._poly import basis, fit_columns, monomials, powers_of
 from ._step import END, StepPeaks
 
 __all__ = ["CostFit", "ShapesDiffer"]
@@ -47,58 +50,23 @@ _OVER_SHARE = 0.001
 (bytes, and share of its largest) and still be followed to other shapes."""
 _COUNT_FIELDS = ("calls", "position", "first_position")
 _SHAPE_FIELDS = ("kind", "called", "joins_previous")
+_SPAN_TOLERANCE = 1e-6
 
 
 class ShapesDiffer(Exception):
     """The profiles cannot be fitted together: the model did something else at another
-    shape (other candidates called, another number of moments in a phase...)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class _Poly:
-    """Polynomials over the shape variables, one per column of ``coefficients``."""
-
-    powers: Tuple[Tuple[int, ...], ...]
-    coefficients: torch.Tensor  # (monomials, columns), float64
-
-    def at(self, sizes: Sizes) -> List[float]:
-        return (_monomials(self.powers, [sizes]) @ self.coefficients)[0].tolist()
-
-
-def _powers(names: Sequence[str]) -> Tuple[Tuple[int, ...], ...]:
-    """Exponents of the monomials: degree <= 1 in the batch, <= 2 in the lengths."""
-    batch = bool(names) and names[0] == "batch"
-    lengths = len(names) - batch
-    length_powers = [p for p in itertools.product(range(3), repeat=lengths) if sum(p) <= 2]
-    return tuple(
-        ((b,) if batch else ()) + p for b in ((0, 1) if batch else (0,)) for p in length_powers
-    )
-
-
-def _monomials(powers: Sequence[Tuple[int, ...]], points: Sequence[Sizes]) -> torch.Tensor:
-    rows = [[float(math.prod(size**p for size, p in zip(point, exponents))) for exponents in powers] for point in points]
-    return torch.tensor(rows, dtype=torch.float64)
-
-
-def _fit(powers: Tuple[Tuple[int, ...], ...], points: Sequence[Sizes], values: torch.Tensor) -> Tuple[_Poly, torch.Tensor]:
-    """Least-squares polynomials through ``values`` (points x columns), and each column's
-    largest residual."""
-    design = _monomials(powers, points)
-    scale = design.abs().amax(dim=0).clamp_min(1.0)  # columns of like size: a stable solve
-    solution = torch.linalg.lstsq(design / scale, values).solution / scale.unsqueeze(1)
-    residual = (design @ solution - values).abs().amax(dim=0)
-    return _Poly(powers, solution), residual
+    shape (other candidates called, or called otherwise)."""
 
 
 @dataclasses.dataclass
 class _Timing:
-    """``seconds = overhead + rate * work`` of one candidate's forward."""
+    """``seconds = overhead + rate * work`` of one candidate's recomputation."""
 
     overhead: float
     rate: float
 
     def seconds(self, work: float) -> float:
-        return self.overhead + self.rate * max(0.0, work)
+        return max(0.0, self.overhead + self.rate * max(0.0, work))
 
 
 class CostFit:
@@ -107,62 +75,70 @@ class CostFit:
 
     Args:
         names: The shape variables (``batch`` first if there is one), as the sizes give them.
-        samples: ``(sizes, profile)`` pairs, each profile measured with a step
-            (``profile_modules(..., step=True)``), at least as many as the fit has
-            monomials; the first one timed (``repeats`` > 0), for per-operator times.
+        samples: ``(sizes, profile)`` pairs, each profile with its step; one is enough
+            (it then stands for its own sizes alone). The last one's operators are the
+            template where candidates' operators line up across them.
 
     Raises:
-        ShapesDiffer: If the profiles do not line up: other candidates called, calls,
-            positions or operators, or phases with other moments.
+        ShapesDiffer: If the profiles do not line up: other candidates called, or called
+            otherwise.
     """
 
     def __init__(self, names: Sequence[str], samples: Sequence[Tuple[Sizes, ModelProfile]]) -> None:
+        if not samples:
+            raise ShapesDiffer("no profile to fit")
         self.names = tuple(names)
-        self.powers = _powers(self.names)
-        if len(samples) < len(self.powers):
-            raise ShapesDiffer(f"{len(samples)} profiles cannot fit {len(self.powers)} terms")
         points = [tuple(int(size) for size in sizes) for sizes, _ in samples]
         profiles = [profile for _, profile in samples]
-        self.template = profiles[0]
         self.points = points
+        self.powers = basis(self.names, points)
         _check_alike(profiles)
-        flat = [_flatten(profile) for profile in profiles]
-        self.keys = sorted(flat[0][0])
-        values = torch.tensor([[row[0][key] for key in self.keys] for row in flat], dtype=torch.float64)
-        self._ints, residual = _fit(self.powers, points, values)
-        self.residual = dict(zip(self.keys, residual.tolist()))
+        lined_up = _ops_lined_up(profiles)
+        self.template = _without_ops(profiles[-1], lined_up)
+        flat = [_flatten(profile, lined_up) for profile in profiles]
+        self.keys = sorted(set.intersection(*(set(row[0]) for row in flat)))
+        values = [[float(row[0][key]) for row in flat] for key in self.keys]
+        self._ints, residual = fit_columns(self.powers, points, values)
+        self.residual = dict(zip(self.keys, residual))
         # What the allocator held beyond a phase's counted moments is a difference of two
         # peaks: smooth where it is a workspace that grows with the shape, a step where
-        # the allocator's peak falls elsewhere at some shapes (a generator state a region
-        # keeps, freed just before). Where no polynomial follows it, its largest seen.
-        highest = values.amax(dim=0)
+        # the allocator's peak falls elsewhere at some shapes. Where no polynomial follows
+        # it, its largest seen.
         self._steady = {
-            key: int(high)
-            for key, high, miss in zip(self.keys, highest.tolist(), residual.tolist())
-            if key.endswith("/over") and miss > max(_OVER_SLACK, _OVER_SHARE * abs(high))
+            key: int(max(column))
+            for key, column, miss in zip(self.keys, values, residual)
+            if key.endswith("/over") and miss > max(_OVER_SLACK, _OVER_SHARE * abs(max(column)))
         }
         # Every run of moments that lines up across the profiles, fitted as columns of one
-        # polynomial (one product evaluates them all), with its columns' slice per key.
+        # polynomial (one pass evaluates them all), with its columns' slice per key.
         self._slices: Dict[str, Tuple[int, int]] = {}
-        columns: List[torch.Tensor] = []
-        width = 0
-        for key in sorted(flat[0][1]):
+        columns: List[List[float]] = []
+        for key in sorted(flat[-1][1]):
             traces = [row[1].get(key, ()) for row in flat]
-            if len({len(trace) for trace in traces}) != 1:
+            if len({len(trace) for trace in traces}) != 1 or not traces[0]:
                 continue  # fitted through its peak alone
-            columns.append(torch.tensor(traces, dtype=torch.float64))
-            self._slices[key] = (width, width + len(traces[0]))
-            width += len(traces[0])
-        self._moments = _fit(self.powers, points, torch.cat(columns, dim=1))[0] if columns else None
+            self._slices[key] = (len(columns), len(columns) + len(traces[0]))
+            columns.extend([float(trace[k]) for trace in traces] for k in range(len(traces[0])))
+        self._moments = fit_columns(self.powers, points, columns)[0] if columns else None
         self._timings = self._time(samples)
-        # Per-operator times and the selective mode's overhead, from the timed profile.
-        self._timed = profiles[0]
 
     # ------------------------------------------------------------------ evaluation
 
-    def profile_at(self, sizes: Sizes, step: Optional[StepPeaks] = None) -> ModelProfile:
-        """The fitted profile at ``sizes``; with ``step``, that measured step instead of
-        the fitted one."""
+    def identifies(self, sizes: Sizes) -> bool:
+        """Whether the measured shapes determine the costs at ``sizes`` whatever the terms
+        they could not tell apart: the monomials of ``sizes`` (all the fit may draw on) are
+        a combination of the measured shapes' monomials. A batch measured at one size, or
+        varied at one length only, determines nothing at another batch or length."""
+        powers = powers_of(self.names)
+        design = monomials(powers, self.points)
+        scale = design.abs().amax(dim=0).clamp_min(1.0)
+        query = monomials(powers, [tuple(int(size) for size in sizes)]) / scale
+        combination = torch.linalg.lstsq((design / scale).T, query.T, driver="gelsd").solution
+        miss = ((design / scale).T @ combination - query.T).norm()
+        return bool(miss <= _SPAN_TOLERANCE * max(1.0, float(query.norm())))
+
+    def profile_at(self, sizes: Sizes) -> ModelProfile:
+        """The fitted profile at ``sizes``."""
         sizes = tuple(int(size) for size in sizes)
         ints = dict(zip(self.keys, (round(v) for v in self._ints.at(sizes))))
         ints.update(self._steady)
@@ -171,67 +147,43 @@ class CostFit:
             moments = self._moments.at(sizes)
             peaks = {key: max(moments[start:stop]) for key, (start, stop) in self._slices.items()}
         modules = tuple(self._module(cost, ints, peaks, sizes) for cost in self.template.modules)
-        if step is None:
-            step = self._step(ints, peaks)
         return ModelProfile(
             modules=modules,
             total_activation_bytes=max(0, ints["total_activation_bytes"]),
             base_bytes=max(0, ints["base_bytes"]),
-            step=step,
+            step=self._step(ints, peaks),
         )
-
-    def step_error(self, sizes: Sizes, measured: StepPeaks) -> float:
-        """The largest difference between a measured step's phase peaks and the fitted
-        ones at ``sizes``, as a share of the measured step's peak."""
-        fitted = self.profile_at(sizes).step
-        assert fitted is not None
-        pairs = [(fitted.end, measured.end)]
-        for table in ("forward", "recompute", "backward"):
-            ours, theirs = getattr(fitted, table), getattr(measured, table)
-            pairs += [(ours.get(name, 0), value) for name, value in theirs.items()]
-        return max(abs(a - b) for a, b in pairs) / max(measured.total, 1)
-
-    def calibrate(self, sizes: Sizes, measured: StepPeaks) -> None:
-        """Set each candidate's time rate from a step measured at ``sizes`` (the shape
-        planned for): its recomputation's seconds there against its work there."""
-        profile = self.profile_at(sizes)
-        for cost in profile.modules:
-            seconds = measured.seconds.get(f"recompute:{cost.name}")
-            timing = self._timings.get(cost.name)
-            if seconds is None or timing is None:
-                continue
-            work = _work(cost)
-            if work > 0:
-                timing.rate = max(0.0, (seconds - timing.overhead) / work)
 
     # ------------------------------------------------------------------ building
 
     def _time(self, samples: Sequence[Tuple[Sizes, ModelProfile]]) -> Dict[str, _Timing]:
-        """Per candidate, the overhead (its least recomputation time) and a first rate
-        (from the sample of the most work)."""
+        """Per candidate, ``overhead + rate * work`` fitted to its measured times (a rate
+        alone from one)."""
         timings: Dict[str, _Timing] = {}
         for cost in self.template.modules:
-            seen = []
-            for _, profile in samples:
-                step = profile.step
-                seconds = None if step is None else step.seconds.get(f"recompute:{cost.name}")
-                if seconds is not None:
-                    seen.append((_work(profile[cost.name]), seconds))
+            seen = [
+                (_work(profile[cost.name]), profile[cost.name].forward_time)
+                for _, profile in samples
+                if cost.name in profile and profile[cost.name].forward_time > 0
+            ]
             if not seen:
                 continue
-            overhead = min(seconds for _, seconds in seen)
-            work, seconds = max(seen)
-            rate = max(0.0, (seconds - overhead) / work) if work > 0 else 0.0
+            works = {work for work, _ in seen}
+            if len(works) < 2:
+                work, seconds = max(seen)
+                timings[cost.name] = _Timing(0.0, seconds / work if work > 0 else 0.0)
+                if work <= 0:
+                    timings[cost.name] = _Timing(seconds, 0.0)
+                continue
+            design = torch.tensor([[1.0, work] for work, _ in seen], dtype=torch.float64)
+            times = torch.tensor([[seconds] for _, seconds in seen], dtype=torch.float64)
+            scale = design.abs().amax(dim=0).clamp_min(1e-30)
+            overhead, rate = (torch.linalg.lstsq(design / scale, times).solution[:, 0] / scale).tolist()
+            if rate < 0:
+                overhead, rate = min(seconds for _, seconds in seen), 0.0
+            elif overhead < 0:
+                overhead, rate = 0.0, max(seconds / work for work, seconds in seen if work > 0)
             timings[cost.name] = _Timing(overhead, rate)
-        if timings:
-            # A candidate never recomputed in the step (one nested in another) is timed as
-            # the others are, by its own work.
-            typical = _Timing(
-                statistics.median(t.overhead for t in timings.values()),
-                statistics.median(t.rate for t in timings.values()),
-            )
-            for cost in self.template.modules:
-                timings.setdefault(cost.name, dataclasses.replace(typical))
         return timings
 
     def _module(self, cost: ModuleCost, ints: Mapping[str, int], peaks: Mapping[str, float], sizes: Sizes) -> ModuleCost:
@@ -252,8 +204,8 @@ class CostFit:
         ops = tuple(
             dataclasses.replace(
                 op,
-                bytes=max(0, ints[f"{name}/op{k}/bytes"]),
-                flops=max(0, ints[f"{name}/op{k}/flops"]),
+                bytes=max(0, ints.get(f"{name}/op{k}/bytes", op.bytes)),
+                flops=max(0, ints.get(f"{name}/op{k}/flops", op.flops)),
             )
             for k, op in enumerate(cost.ops)
         )
@@ -307,16 +259,16 @@ def _work(cost: ModuleCost) -> float:
 
 
 def _shape_of(profile: ModelProfile) -> Tuple[Any, ...]:
-    """What must be the same in every profile fitted together."""
+    """What must be the same in every profile fitted together: the candidates, how they
+    were called, and the step's phases."""
     modules = tuple(
-        (cost.name, *(getattr(cost, field) for field in _SHAPE_FIELDS), cost.base_before_bytes is None,
-         tuple((op.op, op.occurrence, op.saved, op.mutated) for op in cost.ops))
+        (cost.name, *(getattr(cost, field) for field in _SHAPE_FIELDS), cost.base_before_bytes is None)
         for cost in profile.modules
     )
     step = profile.step
     phases = None if step is None else (
         tuple(sorted(step.forward)), tuple(sorted(step.recompute)), tuple(sorted(step.backward)),
-        tuple(sorted(step.moments)), step.at_allocator,
+        step.at_allocator,
     )
     return modules, phases
 
@@ -328,8 +280,28 @@ def _check_alike(profiles: Sequence[ModelProfile]) -> None:
             raise ShapesDiffer("the model called other candidates, or called them otherwise, at another shape")
 
 
-def _flatten(profile: ModelProfile) -> Tuple[Dict[str, int], Dict[str, Tuple[int, ...]]]:
-    """Every integer term of a profile, and every run of moments, by key."""
+def _ops_lined_up(profiles: Sequence[ModelProfile]) -> Set[str]:
+    """The candidates whose operators are the same at every shape (a batch of one, or a
+    loop over the length, runs others): only theirs are fitted and offer levels."""
+    def listed(cost: ModuleCost) -> Tuple[Any, ...]:
+        return tuple((op.op, op.occurrence, op.saved, op.mutated) for op in cost.ops)
+
+    names = set()
+    for cost in profiles[0].modules:
+        first = listed(cost)
+        if first and all(listed(profile[cost.name]) == first for profile in profiles[1:]):
+            names.add(cost.name)
+    return names
+
+
+def _without_ops(profile: ModelProfile, kept: Set[str]) -> ModelProfile:
+    modules = tuple(cost if cost.name in kept else dataclasses.replace(cost, ops=()) for cost in profile.modules)
+    return dataclasses.replace(profile, modules=modules)
+
+
+def _flatten(profile: ModelProfile, with_ops: Set[str]) -> Tuple[Dict[str, int], Dict[str, Tuple[int, ...]]]:
+    """Every integer term of a profile (operators' of the candidates ``with_ops``), and
+    every run of moments, by key."""
     ints: Dict[str, int] = {
         "total_activation_bytes": profile.total_activation_bytes,
         "base_bytes": profile.base_bytes,
@@ -340,7 +312,7 @@ def _flatten(profile: ModelProfile) -> Tuple[Dict[str, int], Dict[str, Tuple[int
             ints[f"{cost.name}/{field}"] = int(getattr(cost, field))
         if cost.base_before_bytes is not None:
             ints[f"{cost.name}/base_before_bytes"] = int(cost.base_before_bytes)
-        for k, op in enumerate(cost.ops):
+        for k, op in enumerate(cost.ops if cost.name in with_ops else ()):
             ints[f"{cost.name}/op{k}/bytes"] = int(op.bytes)
             ints[f"{cost.name}/op{k}/flops"] = int(op.flops)
         if cost.forward_moments:

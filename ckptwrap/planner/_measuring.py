@@ -1,40 +1,59 @@
-"""Measuring a model for the planner, one layout of its inputs at a time: profiles at a few
-small shapes fitted over the shape variables (``_fit``) and checked with one training step
-at the shape planned for, or, where that cannot be done, a profile of the shape itself.
+"""What the planner knows of one layout of a model's inputs: the profiles of the steps
+measured at its shapes, their fit over the shape variables (``_fit``), whether that fit
+may stand for shapes not measured, and the margin the closed loop added.
 
-While the model runs to be measured, :func:`is_measuring` is true, so that a hook that
-plans leaves those forwards alone. In a process group every rank measures at the same
-shapes and takes each decision the lowest rank takes, so that every rank runs the model
-as many times: an FSDP2 model's runs are collectives.
+A fit is trusted once it has predicted a measured step it was not fitted on, within
+``_TRUST_UNDER`` (too low) and ``_TRUST_OVER`` (too high) of that step's peak, and then
+only where the measured shapes determine it (``CostFit.identifies``: a batch measured at
+one size says nothing of another) and near them: from half the smallest to a quarter
+past the largest size of each variable. A checked step above its prediction adds that
+share of the un-checkpointed peak as a margin; a large miss at a fitted shape has that
+shape measured again.
+
+While the planner runs the model itself on given inputs (``plan``, example inputs),
+:func:`is_measuring` is true, so that a hook that plans leaves those forwards alone.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import dataclasses
-import math
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
 
-from .._warn import note
 from ..measure import tensors
 from ..policy import Budget
 from ._module_costs import ModelProfile
 from ._fit import CostFit, ShapesDiffer
 from ._inputs import InputLayout, read_layout
-from ._profile import measure_training_step, profile_modules
-from ._step import StepPeaks
 
-__all__ = ["LayoutCosts", "Measurer", "PlanSettings", "is_measuring", "region_bytes"]
+__all__ = ["LayoutCosts", "Layouts", "PlanSettings", "is_measuring", "measuring", "region_bytes"]
 
 Sizes = Tuple[int, ...]
 
-_CHECK_TOLERANCE = 0.03
-"""How far (a share of the step's peak) a fitted phase peak may lie from the measured one
-on the shape planned for before the fit is no longer trusted at shapes not measured."""
+_TRUST_UNDER = 0.02
+"""How far below a measured step's peak (a share of it) a fit may predict a phase and
+still be trusted."""
+_TRUST_OVER = 0.10
+"""How far above it."""
+_SHRINK, _EXTEND = 0.5, 1.25
+"""A trusted fit stands for sizes from this share of the smallest measured to this
+multiple of the largest."""
+_KEPT = 12
+"""Measured profiles kept per layout: the extremes of each variable and the most recent."""
+_REMEASURE = 0.03
+"""A checked step this far above its fitted prediction (a share of the un-checkpointed
+peak) has its shape measured again."""
+_MARGIN_SLACK = 0.005
+"""Added to a miss when it becomes the margin."""
+_GIVE_UP = 3
+"""Failed measurements of one layout after which it is no longer measured."""
+_LAYOUTS = 8
+"""Layouts of inputs kept per planner, the most recently used."""
 
 _MEASURING: contextvars.ContextVar[bool] = contextvars.ContextVar("ckptwrap_measuring", default=False)
 
@@ -70,211 +89,191 @@ class PlanSettings:
     def names(self) -> List[str]:
         return [name for name, _ in self.candidates]
 
+    @property
+    def outermost(self) -> List[str]:
+        """The candidates no other candidate contains: those a measured step checkpoints."""
+        names = self.names
+        return [
+            name for name in names
+            if name and not any(name.startswith(other + ".") for other in names if other)
+        ]
+
+
+@contextlib.contextmanager
+def measuring() -> Iterator[None]:
+    """While the planner runs the model itself, on given inputs."""
+    token = _MEASURING.set(True)
+    try:
+        yield
+    finally:
+        _MEASURING.reset(token)
+
 
 class LayoutCosts:
-    """What is known of one input layout's costs."""
+    """What is known of one input layout's costs (see the module)."""
 
     def __init__(self, layout: InputLayout) -> None:
         self.layout = layout
+        self.profiles: "collections.OrderedDict[Sizes, ModelProfile]" = collections.OrderedDict()
         self.fit: Optional[CostFit] = None
-        self.profiles: Dict[Sizes, ModelProfile] = {}  # profiled directly at these sizes
-        self.steps: Dict[Sizes, StepPeaks] = {}  # steps measured at these sizes
-        self.follows = False  # whether the fit stands for sizes not measured
+        self.trusted = False
+        self.margin = 0.0
+        """A share of the un-checkpointed peak kept free beyond the predictions."""
+        self.failures = 0
+        self.remeasure: Set[Sizes] = set()
 
-    def profile_at(self, sizes: Sizes) -> Optional[ModelProfile]:
-        """The profile at ``sizes`` if known without measuring."""
+    @property
+    def given_up(self) -> bool:
+        return self.failures >= _GIVE_UP
+
+    def costs_at(self, sizes: Sizes) -> Optional[Tuple[ModelProfile, str]]:
+        """The profile at ``sizes`` if it is known without measuring, and where it comes
+        from (``measured`` or ``fitted``)."""
+        if sizes in self.remeasure:
+            return None
         known = self.profiles.get(sizes)
         if known is not None:
-            return known
-        if self.fit is None or not (self.follows or sizes in self.steps):
+            return known, "measured"
+        if self.fit is None or not self.trusted or not self.covers(sizes):
             return None
-        return self.fit.profile_at(sizes, self.steps.get(sizes))
+        return self.fit.profile_at(sizes), "fitted"
+
+    def covers(self, sizes: Sizes) -> bool:
+        """Whether a trusted fit stands for ``sizes``."""
+        fit = self.fit
+        if fit is None:
+            return False
+        for index, size in enumerate(sizes):
+            seen = [point[index] for point in fit.points]
+            if not min(seen) * _SHRINK <= size <= max(seen) * _EXTEND:
+                return False
+        return fit.identifies(sizes)
+
+    def learn(self, sizes: Sizes, profile: ModelProfile) -> str:
+        """Take a step measured at ``sizes``: check the fit on it if it was not fitted on
+        it, then fit again. Returns what happened, for the notes."""
+        said = "measured"
+        fit = self.fit
+        if fit is not None and sizes not in self.profiles:
+            under, over = misses(fit.profile_at(sizes), profile)
+            was = self.trusted
+            self.trusted = under <= _TRUST_UNDER and over <= _TRUST_OVER
+            said = (
+                f"the fit predicted it within {max(under, over):.1%}"
+                if self.trusted
+                else f"the fit missed it by {max(under, over):.1%}{'; no longer trusted' if was else ''}"
+            )
+        known = self.profiles.pop(sizes, None)
+        if known is not None and _peak(known) > _peak(profile):
+            profile = known  # the same shape measured twice: its higher costs stand
+        self.profiles[sizes] = profile
+        self.remeasure.discard(sizes)
+        self._bound()
+        self._refit()
+        return said
+
+    def missed(self, sizes: Sizes, share: float, source: str) -> None:
+        """A checked step at ``sizes`` peaked ``share`` of the un-checkpointed peak above
+        its prediction from ``source`` costs."""
+        self.margin = max(self.margin, min(0.5, share + _MARGIN_SLACK))
+        if source == "fitted" and share > _REMEASURE:
+            self.remeasure.add(sizes)
+
+    def _bound(self) -> None:
+        """At most ``_KEPT`` profiles: the extremes of each variable stay, then the newest."""
+        if len(self.profiles) <= _KEPT:
+            return
+        points = list(self.profiles)
+        keep = set()
+        for index in range(len(points[0])):
+            keep.add(min(points, key=lambda p: p[index]))
+            keep.add(max(points, key=lambda p: p[index]))
+        for point in reversed(points):
+            if len(keep) >= _KEPT:
+                break
+            keep.add(point)
+        for point in points:
+            if point not in keep:
+                del self.profiles[point]
+
+    def _refit(self) -> None:
+        samples = list(self.profiles.items())
+        try:
+            self.fit = CostFit(self.layout.names, samples)
+            return
+        except ShapesDiffer:
+            pass
+        # The model did something else at some shapes: fit those like the newest.
+        alike = []
+        for sizes, profile in samples:
+            try:
+                CostFit(self.layout.names, [(sizes, profile), samples[-1]])
+                alike.append((sizes, profile))
+            except ShapesDiffer:
+                continue
+        self.fit = CostFit(self.layout.names, alike or [samples[-1]])
+        self.trusted = False
 
 
-Bound = Callable[[ModelProfile], Optional[int]]
-"""Given costs fitted at a shape, the most a measurement there may hold (None: no limit)."""
+class Layouts:
+    """The layouts of a model's inputs met so far, with their costs: the most recently used
+    ``_LAYOUTS``; ``forget`` is told of each one dropped."""
 
+    def __init__(self, forget: Callable[[LayoutCosts], None]) -> None:
+        self._known: "collections.OrderedDict[Tuple[Any, ...], LayoutCosts]" = collections.OrderedDict()
+        self._forget = forget
 
-class Measurer:
-    """Measures one model for one planner (see the module).
+    def __len__(self) -> int:
+        return len(self._known)
 
-    Args:
-        settings: What the plans are made of (candidates, loss, save policy...).
-        agree: In a process group, returns for a value of this rank's the lowest rank's.
-    """
+    def values(self) -> Any:
+        return self._known.values()
 
-    def __init__(self, settings: PlanSettings, agree: Optional[Callable[[Any], Any]] = None) -> None:
-        self.settings = settings
-        self.agree = agree
-        self.measurements = 0
-        """How many times the model ran to be measured."""
-        self.around: Optional[Callable[[], ContextManager[Any]]] = None
-        """Entered around each run of the model, if set (the caller's marks come off there)."""
-
-    def layout(
-        self, model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], bound: Bound
-    ) -> LayoutCosts:
-        """The costs of the layout of these inputs, measured (see the module)."""
+    def of(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[LayoutCosts, Sizes]:
+        """The costs of the layout these inputs fit (a new one if none), and their sizes."""
+        found = self.find(args, kwargs)
+        if found is not None:
+            return found
         layout = read_layout(args, kwargs)
         costs = LayoutCosts(layout)
-        sizes = layout.sizes
-        at = self._agreed(sizes)
-        resized = len(at) == len(sizes) and at != sizes
-        if resized:
-            args, kwargs = layout.resized(args, kwargs, at)
-            sizes = at
-        # Without a budget the plan is made at these shapes alone: no need to fit them.
-        samples = layout.samples_at(sizes) if self.settings.budget is not None else None
-        why = None
-        if samples is None:
-            why = "its inputs have no batch or length to profile smaller"
-        else:
-            try:
-                costs.fit = self._fit(model, layout, samples, args, kwargs)
-            except ShapesDiffer as error:
-                why = f"its costs do not follow its shapes ({error})"
-            costs.fit = self._agreed(costs.fit)
-        if costs.fit is None:
-            costs.profiles[sizes] = self.profile(model, args, kwargs, repeats=1, tolerant=resized)
-            if self.settings.budget is None:
-                return costs
-            note(
-                f"ckptwrap profiled {type(model).__name__} at inputs of {layout.describe(sizes)} "
-                f"directly: {why or 'so did the lowest rank'}; each new shape of these inputs is "
-                f"profiled likewise."
-            )
-            return costs
-        self._check(model, costs, sizes, args, kwargs, bound, tolerant=resized)
-        # Every rank plans from the same costs (their times differ by noise).
-        costs.fit, costs.follows = self._agreed((costs.fit, costs.follows))
-        return costs
+        self._known[(layout.spec, layout.leaves)] = costs
+        while len(self._known) > _LAYOUTS:
+            self._forget(self._known.popitem(last=False)[1])
+        return costs, layout.sizes
 
-    def shape(
-        self, model: nn.Module, costs: LayoutCosts, sizes: Sizes, args: Tuple[Any, ...], kwargs: Dict[str, Any]
-    ) -> ModelProfile:
-        """The profile at sizes the layout's costs do not stand for: its step measured, on
-        the fit's other terms, or, without a fit, a profile of its own.
-
-        In a process group nothing is measured (ranks meet new shapes at other steps, and
-        an FSDP2 model's runs are collectives): the fit stands for the shape, or, without
-        one, the profile measured at the shape closest in size."""
-        if self.agree is not None:
-            if costs.fit is not None:
-                return costs.fit.profile_at(sizes)
-            nearest = min(costs.profiles, key=lambda known: abs(math.prod(known) - math.prod(sizes)))
-            return costs.profiles[nearest]
-        if costs.fit is None:
-            profile = self.profile(model, args, kwargs, repeats=0)
-            costs.profiles[sizes] = profile
-            return profile
-        costs.steps[sizes] = self._step(model, args, kwargs, tolerant=True)
-        return costs.fit.profile_at(sizes, costs.steps[sizes])
-
-    def profile(
-        self, model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], *, repeats: int,
-        tolerant: bool = False,
-    ) -> ModelProfile:
-        """A direct profile, with a step; ``tolerant`` (a shape the caller did not give)
-        backpropagates from the default loss if the given loss function fails on it."""
-        settings = self.settings
-        with torch.random.fork_rng(devices=[]), self._measuring():
-            return profile_modules(
-                model, settings.names, args, kwargs, repeats=repeats, progress=False,
-                save_policy=settings.save_policy, step=True,
-                loss_fn=_tolerant(settings.loss_fn) if tolerant else settings.loss_fn,
-                preserve_rng_state=settings.preserve_rng_state,
-            )
-
-    def _agreed(self, value: Any) -> Any:
-        """``value`` as the lowest rank of the process group has it (itself outside one)."""
-        return value if self.agree is None else self.agree(value)
-
-    def _fit(
-        self, model: nn.Module, layout: InputLayout, samples: Sequence[Sizes], args: Tuple[Any, ...], kwargs: Dict[str, Any]
-    ) -> CostFit:
-        profiles = []
-        # Selective levels weigh operators' times and the selective mode's cost against
-        # each other, and the selective tier its replay's: the first profile times them.
-        timed = self.settings.levels or self.settings.save_policy is not None
-        for number, sizes in enumerate(samples):
-            small_args, small_kwargs = layout.resized(args, kwargs, sizes)
-            try:
-                profile = self.profile(
-                    model, small_args, small_kwargs, repeats=1 if number == 0 and timed else 0,
-                    tolerant=True,
-                )
-            except (RuntimeError, ValueError, IndexError, TypeError) as error:
-                raise ShapesDiffer(
-                    f"its forward failed at {layout.describe(sizes)}: {type(error).__name__}"
-                ) from error
-            profiles.append((sizes, profile))
-        return CostFit(layout.names, profiles)
-
-    def _check(
-        self, model: nn.Module, costs: LayoutCosts, sizes: Sizes, args: Tuple[Any, ...],
-        kwargs: Dict[str, Any], bound: Bound, *, tolerant: bool,
-    ) -> None:
-        """Check the fit on the shape planned for, with one step measured there (every
-        candidate checkpointed), if that step is predicted to stay within ``bound``."""
-        assert costs.fit is not None
-        fitted = costs.fit.profile_at(sizes)
-        assert fitted.step is not None
-        most = bound(fitted)
-        if most is not None and fitted.step.total > most:
-            costs.follows = True
-            note(
-                f"ckptwrap fitted {type(model).__name__}'s costs over its input shapes without "
-                f"checking them at {costs.layout.describe(sizes)}: the step that checks them "
-                f"is predicted to exceed the budget there."
-            )
-            return
-        step = self._step(model, args, kwargs, tolerant=tolerant)
-        costs.steps[sizes] = step
-        costs.fit.calibrate(sizes, step)
-        error = costs.fit.step_error(sizes, step)
-        costs.follows = error <= _CHECK_TOLERANCE
-        if not costs.follows:
-            note(
-                f"ckptwrap's fit of {type(model).__name__}'s costs missed the step measured "
-                f"at {costs.layout.describe(sizes)} by {error:.1%} of its peak; every new shape "
-                f"of these inputs gets a step of its own measured before it is planned."
-            )
-
-    def _step(self, model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], *, tolerant: bool) -> StepPeaks:
-        settings = self.settings
-        with self._measuring():
-            return measure_training_step(
-                model, settings.names, args, kwargs,
-                loss_fn=_tolerant(settings.loss_fn) if tolerant else settings.loss_fn,
-                save_policy=settings.save_policy, preserve_rng_state=settings.preserve_rng_state,
-            )
-
-    @contextlib.contextmanager
-    def _measuring(self) -> Iterator[None]:
-        """While the model runs to be measured: hooks that plan leave it alone, and the
-        caller's ``around`` context holds."""
-        self.measurements += 1
-        token = _MEASURING.set(True)
-        try:
-            with (self.around() if self.around is not None else contextlib.nullcontext()):
-                yield
-        finally:
-            _MEASURING.reset(token)
-
-
-def _tolerant(loss_fn: Optional[Callable[[Any], Any]]) -> Optional[Callable[[Any], Any]]:
-    """``loss_fn``, falling back to the default loss (the output as it is) where it fails:
-    a loss function made for the inputs the caller gave may not take other shapes."""
-    if loss_fn is None:
+    def find(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[Tuple[LayoutCosts, Sizes]]:
+        """The known layout these inputs fit, and their sizes in it. A keyword argument
+        holding a 0-dim tensor that the known inputs lacked (the Trainer's
+        ``num_items_in_batch``, a loss scale) is looked past: it moves no activation."""
+        scalars = {k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.dim() == 0}
+        tries = [kwargs, {k: v for k, v in kwargs.items() if k not in scalars}] if scalars else [kwargs]
+        for given in tries:
+            for key, costs in reversed(self._known.items()):
+                sizes = costs.layout.sizes_of(args, given)
+                if sizes is not None:
+                    self._known.move_to_end(key)
+                    return costs, sizes
         return None
 
-    def loss(output: Any) -> Any:
-        try:
-            return loss_fn(output)
-        except Exception:  # noqa: BLE001 - any failure of a loss made for other shapes
-            return output
 
-    return loss
+def misses(predicted: ModelProfile, measured: ModelProfile) -> Tuple[float, float]:
+    """How far ``predicted`` lies below and above ``measured`` at its worst, as shares of
+    the measured step's peak: every phase of the step, and the activations in all."""
+    ours, theirs = predicted.step, measured.step
+    pairs = [(predicted.total_activation_bytes, measured.total_activation_bytes)]
+    if ours is not None and theirs is not None:
+        pairs += [(ours.end, theirs.end), (ours.total, theirs.total)]
+        for table in ("forward", "recompute", "backward"):
+            mine, real = getattr(ours, table), getattr(theirs, table)
+            pairs += [(mine.get(name, 0), value) for name, value in real.items()]
+    scale = max(_peak(measured), 1)
+    under = max(0, max(real - mine for mine, real in pairs)) / scale
+    over = max(0, max(mine - real for mine, real in pairs)) / scale
+    return under, over
+
+
+def _peak(profile: ModelProfile) -> int:
+    return profile.step.total if profile.step is not None else profile.total_activation_bytes
 
 
 def region_bytes(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], preserve_rng_state: bool = True) -> int:

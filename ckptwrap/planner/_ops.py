@@ -11,10 +11,8 @@ the one a selective policy sees in a checkpointed call of the same module.
 from __future__ import annotations
 
 import dataclasses
-import statistics
-import time
 from collections import defaultdict
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -23,7 +21,7 @@ from torch.utils.flop_counter import flop_registry
 
 from ..measure import StorageMap, Tally, tensor_storages, tensors
 
-__all__ = ["OpCost", "OpRecorder", "OpTimer", "merge_calls", "packet_name", "with_times"]
+__all__ = ["OpCost", "OpRecorder", "merge_calls", "packet_name"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +100,8 @@ class OpRecorder(_Counted):
         self._ops: List[List[Any]] = []  # [name, occurrence, bytes, saved, flops, mutated]
         self.flops = 0
         """FLOPs of the operators recorded, as ``FlopCounterMode`` counts them."""
+        self.created_bytes = 0
+        """Bytes of the new storages the operators made, freed or not."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
         kwargs = kwargs or {}
@@ -125,6 +125,7 @@ class OpRecorder(_Counted):
                     continue
                 self._seen[storage] = entry
                 entry[2] += storage.nbytes()
+                self.created_bytes += storage.nbytes()
                 # Autograd saves after the operator returns: the tally counts the storage
                 # then, and tells us through the claim.
                 self._tally.claims[storage] = _Saved(entry)
@@ -172,26 +173,6 @@ def _flops(func: Any, out: Any, args: Any, kwargs: Dict[str, Any]) -> int:
     return int(counter(*args, **kwargs, out_val=out))
 
 
-class OpTimer(_Counted):
-    """Times each operator of one module call, waiting for the device before and after it."""
-
-    def __init__(self, synchronize: Callable[[], None]) -> None:
-        super().__init__()
-        self._synchronize = synchronize
-        self.times: List[Tuple[str, float]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
-        kwargs = kwargs or {}
-        if func in SAC_IGNORED_OPS:
-            return func(*args, **kwargs)
-        self._synchronize()
-        start = time.perf_counter()
-        out = func(*args, **kwargs)
-        self._synchronize()
-        self.times.append((packet_name(func), time.perf_counter() - start))
-        return out
-
-
 def merge_calls(so_far: Optional[List[OpCost]], call: List[OpCost], first: bool) -> Optional[List[OpCost]]:
     """The ops of a module's calls so far, with one more call added.
 
@@ -211,21 +192,4 @@ def merge_calls(so_far: Optional[List[OpCost]], call: List[OpCost], first: bool)
             mutated=a.mutated or b.mutated,
         )
         for a, b in zip(so_far, call)
-    ]
-
-
-def with_times(
-    ops: Optional[List[OpCost]], runs: Sequence[Sequence[Tuple[str, float]]]
-) -> Optional[List[OpCost]]:
-    """``ops`` with the median time of each over ``runs`` (timed calls of one module call)
-    added to their times; a run whose operators differ from ``ops`` is left out."""
-    if not ops:
-        return ops
-    names = [op.op for op in ops]
-    usable = [run for run in runs if [name for name, _ in run] == names]
-    if not usable:
-        return ops
-    return [
-        dataclasses.replace(op, time=op.time + statistics.median(run[i][1] for run in usable))
-        for i, op in enumerate(ops)
     ]

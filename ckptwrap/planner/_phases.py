@@ -1,16 +1,18 @@
-"""A meter that cuts a stretch of work into phases and keeps, per phase, its peak, its
+"""A meter that cuts a training step into phases and keeps, per phase, its peak, its
 moments (the points at which its memory can peak) and its duration.
 
-Peaks are read at the allocator, so memory that operators allocate inside themselves (a
-convolution's workspace, on any thread) and memory no operator makes (the RNG state a
-checkpoint keeps) count too: on accelerators from its peak statistics, on the CPU from
-``torch.profiler``'s memory events, each cut a marker in the same trace. Moments are
-counted at operators' outputs through a dispatch mode, in the order the program makes
-them, so that the same code at another shape gives as many, in the same order. While a
-profiler of the caller's is running on the CPU, none is started inside it (that would end
-the caller's session): peaks are then the moments' highest. Some torch builds' profiler
-library writes a line to stderr as a session starts and stops; they are left to go where
-the process sends stderr, since hiding them would redirect the whole process's.
+Moments are counted at operators' outputs through a dispatch mode (``measure``'s storage
+counter), in the order the program makes them, so that the same code at another shape
+gives as many, in the same order. On accelerators each phase's peak is also read at the
+allocator (its peak statistics, reset at each cut), so that memory no operator returns (a
+kernel's workspace) counts too. On the CPU, which keeps no such statistics, the peak is
+the moments' highest; ``torch.profiler`` is never started, so that a meter inside a
+training step neither disturbs the caller's profiler nor another thread's.
+
+A step the meter follows may be the user's own: started in the forward's pre-hook, left
+when the forward returns, carried through the backward node by node (``measure``'s
+``StepSpan``), cut by the candidates as they run and are recomputed, and finished where
+the backward ends, inside autograd's engine.
 """
 
 from __future__ import annotations
@@ -21,11 +23,14 @@ from typing import Any, List, NamedTuple, Optional, Tuple
 import torch
 
 from .. import _torch_private
-from ..measure import StorageCounter
+from ..measure import StepSpan, StorageCounter
 
-__all__ = ["Phase", "PhaseMeter", "profiler_running"]
+__all__ = ["Phase", "PhaseMeter", "Window", "profiler_running"]
 
-_CUT = "ckptwrap::phase"
+_LOSS_OUTSIDE = 2
+"""A loss made outside the model's forward is not counted as it is made; it is taken to
+have held this many times the gradient it hands the model (a cross entropy's log-softmax
+and the gradient of it, beside the gradient itself)."""
 
 
 class Phase(NamedTuple):
@@ -42,6 +47,18 @@ class Phase(NamedTuple):
     seconds: float
 
 
+class Window(NamedTuple):
+    """What one stretch inside a phase (a candidate's recomputation) created and held."""
+
+    peak: int
+    """The most bytes its own allocations held at once, above its start."""
+    moments: Tuple[int, ...]
+    """Its moments, above its start."""
+    seconds: float
+    ops: int
+    """How many operators ran in it (the meter's own cost grows with them)."""
+
+
 def profiler_running() -> bool:
     """Whether a torch profiler (``torch.profiler`` or ``torch.autograd.profiler``) is
     recording in this thread."""
@@ -49,60 +66,87 @@ def profiler_running() -> bool:
 
 
 class PhaseMeter:
-    """Cuts the work inside ``with`` into phases: call :meth:`cut` with the next phase's
-    label at each boundary; :attr:`phases` is filled when the block exits (the first
-    phase is labelled ``head``)."""
+    """Cuts the work between :meth:`start` and :meth:`finish` into phases: call
+    :meth:`cut` with the next phase's label at each boundary; :attr:`phases` is filled by
+    :meth:`finish` (the first phase is labelled ``head``). Between them, :meth:`leave`
+    and :meth:`follow` carry it from the forward into the backward (``StepSpan``). As a
+    context manager it counts the block."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.phases: List[Phase] = []
         self._labels = ["head"]
         self._times: List[float] = []
-        self._profiler: Any = None
         self._counter: Optional[_PhaseCounter] = None
-        self._module = None if device.type == "cpu" else torch.get_device_module(device.type)
+        self._span: Optional[StepSpan] = None
+        self._module = None if device.type in ("cpu", "meta") else torch.get_device_module(device.type)
         self._counted: List[Tuple[int, Tuple[int, ...]]] = []
+        self._start = 0
+        self.finished = False
 
     @property
     def at_allocator(self) -> bool:
         """Whether the peaks are the allocator's (else operators' outputs only)."""
-        return self._profiler is not None or self._module is not None
+        return self._module is not None
 
-    def __enter__(self) -> "PhaseMeter":
+    def start(self) -> "PhaseMeter":
         if self._module is not None:
             self._module.synchronize(self.device)
             self._start = self._module.memory_allocated(self.device)
             self._module.reset_peak_memory_stats(self.device)
-        elif not profiler_running():
-            self._profiler = _memory_profiler()
-            self._profiler.__enter__()
-        self._counter = _PhaseCounter(self.device.type).__enter__()
+        self._counter = _PhaseCounter(self.device.type)
+        self._span = StepSpan(self._counter)
+        self._span.enter()
         self._times.append(time.perf_counter())
         return self
 
+    def __enter__(self) -> "PhaseMeter":
+        return self.start()
+
     def __exit__(self, *exc: Any) -> None:
+        self.finish()
+
+    def leave(self) -> None:
+        """The forward returned (or raised): off the caller's mode stack."""
+        if self._span is not None:
+            self._span.leave()
+
+    def inside(self) -> Any:
+        """Count a block of the caller's own between forward and backward."""
+        assert self._span is not None
+        return self._span.inside()
+
+    def follow(self, roots: Any) -> None:
+        """Count the backward from ``roots`` node by node."""
+        if self._span is not None and not self.finished:
+            self._span.follow(roots)
+
+    def loss_outside(self, grad: torch.Tensor) -> None:
+        """The backward reached the model with ``grad`` from a loss made outside it: count
+        the gradient from now on, and what the loss is taken to have held at its highest."""
+        if self._span is not None and not self.finished:
+            self._span.loss_outside(grad, _LOSS_OUTSIDE)
+
+    def finish(self) -> None:
+        """End the last phase and stop counting; nothing stays on any mode stack."""
+        if self.finished or self._counter is None:
+            return
         self.cut("")
-        assert self._counter is not None
-        self._counter.__exit__(*exc)
-        found = self._counted
-        if self._profiler is not None:
-            self._profiler.__exit__(*exc)
-            peaks = _profiled_peaks(self._profiler, len(found))
-            found = [(max(peak, at), moments) for (peak, moments), at in zip(found, peaks)]
+        self.finished = True
+        assert self._span is not None
+        self._span.close()
         seconds = [b - a for a, b in zip(self._times, self._times[1:])]
         self.phases = [
             Phase(label, peak, moments, spent)
-            for label, (peak, moments), spent in zip(self._labels, found, seconds)
+            for label, (peak, moments), spent in zip(self._labels, self._counted, seconds)
         ]
 
     def cut(self, label: str) -> None:
         """End the phase in progress and begin ``label``."""
+        if self.finished or self._counter is None:
+            return
         if self._module is not None:
             self._module.synchronize(self.device)
-        if self._profiler is not None:
-            with torch.profiler.record_function(_CUT):
-                pass
-        assert self._counter is not None
         peak, moments = self._counter.cut()
         if self._module is not None:
             peak = max(peak, self._module.max_memory_allocated(self.device) - self._start)
@@ -111,47 +155,60 @@ class PhaseMeter:
         self._times.append(time.perf_counter())
         self._labels.append(label)
 
+    def adopt(self, tensor: torch.Tensor) -> None:
+        """Count ``tensor``'s storage from now until it is freed, as if an operator had
+        made it (a tensor made outside the dispatcher: the generator state a region keeps)."""
+        if self._counter is not None and not self.finished:
+            self._counter.adopt(tensor)
 
-def _memory_profiler() -> Any:
-    from torch.profiler import ProfilerActivity, profile
+    def window(self) -> "_OpenWindow":
+        """Start following a stretch of the phase in progress; close the returned window
+        where it ends."""
+        assert self._counter is not None
+        return _OpenWindow(self._counter)
 
-    return profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=False)
 
+class _OpenWindow:
+    def __init__(self, counter: "_PhaseCounter") -> None:
+        self._counter = counter
+        self._start = counter.live_bytes
+        self._ops = counter.ops
+        self._moments: List[int] = []
+        self._time = time.perf_counter()
+        counter.windows.append(self)
 
-def _profiled_peaks(profiler: Any, phases: int) -> List[int]:
-    """Per phase, the highest running total of the CPU allocator's events, cut at the
-    markers."""
-    events = profiler.profiler.kineto_results.events()
-    cpu = torch.autograd.DeviceType.CPU
-    timeline = []
-    for event in events:
-        if event.name() == _CUT:
-            timeline.append((event.start_ns(), 1, 0))
-        elif event.name() == "[memory]" and event.device_type() == cpu:
-            timeline.append((event.start_ns(), 0, event.nbytes()))
-    timeline.sort(key=lambda entry: (entry[0], entry[1]))
-    peaks, live, peak = [], 0, 0
-    for _, is_cut, nbytes in timeline:
-        if is_cut:
-            peaks.append(max(0, peak))
-            peak = live
-            continue
-        live += nbytes
-        peak = max(peak, live)
-    return (peaks + [0] * phases)[:phases]
+    def close(self) -> Window:
+        seconds = time.perf_counter() - self._time
+        counter = self._counter
+        with counter._lock:
+            if self in counter.windows:
+                counter.windows.remove(self)
+        start = self._start
+        moments = tuple(max(0, m - start) for m in self._moments)
+        return Window(max(moments, default=0), moments, seconds, counter.ops - self._ops)
 
 
 class _PhaseCounter(StorageCounter):
-    """The storage counter, with the moments of the phase in progress."""
+    """The storage counter, with the moments of the phase in progress and of any open
+    windows."""
 
     def __init__(self, device_type: str) -> None:
-        super().__init__(device_type, trace=True)
+        super().__init__(device_type, trace=True, workspaces=device_type == "cpu")
         self._phase_peak = 0
         self._phase_start = 0
+        self.windows: List[_OpenWindow] = []
 
     def _add(self, nbytes: int) -> None:
         super()._add(nbytes)
         self._phase_peak = max(self._phase_peak, self._live)
+        for window in self.windows:
+            window._moments.append(self._live)
+
+    def _peak_at(self, nbytes: int) -> None:
+        super()._peak_at(nbytes)
+        self._phase_peak = max(self._phase_peak, nbytes)
+        for window in self.windows:
+            window._moments.append(nbytes)
 
     def cut(self) -> Tuple[int, Tuple[int, ...]]:
         with self._lock:

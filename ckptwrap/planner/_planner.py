@@ -1,104 +1,246 @@
-"""The planner of one model and policy: the costs of its candidates over its inputs'
-shapes, and the plan for each training forward's shape.
+"""The planner of one model and policy: what to do at each training forward, learned from
+the training steps themselves.
 
-Costs are measured once per input layout (``_inputs``): at a few small shapes (a slice of
-the batch, shorter lengths), fitted over the shape variables (``_fit``), then checked on
-the shape planned for by one training step with every candidate checkpointed, which also
-sets the time model's rates. From then on, a plan for any shape of that layout is a solve
-(milliseconds, no profiling). Where the small shapes cannot be taken or fitted (no
-variable to shrink, a model that does other things at other shapes), the shape is
-profiled directly; where the check finds the fit off, each new shape of that layout gets
-its own measured step, and the planner says so.
+Each training forward is a :class:`Decision`. Where the costs at its shape are known (a
+step measured at that shape, or a trusted fit that stands for it, ``_measuring``), it is
+a solve: the plan of least recompute time whose predicted peak fits the budget, less the
+margin the closed loop added, and some of those steps are checked against their
+prediction (:meth:`ShapePlanner.checked`). Where they are not, the step runs under the
+plan of least memory (every candidate checkpointed) and is measured as it runs
+(:meth:`ShapePlanner.learned`). Example inputs are real inputs too: :meth:`choose`
+measures one step on them at once.
 
 A budget in bytes is the same at every shape. ``budget:NN%`` is NN% of the predicted
-un-checkpointed step peak at the largest shape planned or declared so far (largest by
-that peak), turned into bytes: shorter batches get the same bytes, so they need less
-checkpointing, and the budget grows only when a longer batch comes. A shape that no plan
-fits gets its plan of least memory (``strict`` raises instead: at wrap time with example
-inputs).
+un-checkpointed step peak at the largest shape planned so far (largest by that peak),
+turned into bytes. A shape that no plan fits gets its plan of least memory, said each
+time the shape changes (``strict`` raises instead: at wrap time with example inputs).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import pickle
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
-import torch
 from torch import nn
 
 from .._errors import CheckpointConfigError
-from .._warn import warn
+from .._warn import note, warn
 from ..policy import Budget
-from ._choose import Choice, choose, plain_peak, step_items
+from ._choose import Choice, choose, plain_peak
+from ._measuring import LayoutCosts, Layouts, PlanSettings, measuring, region_bytes
 from ._module_costs import ModelProfile
-from ._inputs import read_layout
-from ._measuring import LayoutCosts, Measurer, PlanSettings, region_bytes
-from ._solver import PercentBudget, smallest_reachable_peak
+from ._profile import _resolve_targets, measure_inputs
+from ._solver import PercentBudget
+from ._timing import dispatch_cost, selective_cost
 
-__all__ = ["ShapePlanner", "resolve_budget"]
+__all__ = ["Decision", "ShapePlanner", "resolve_budget"]
 
 Sizes = Tuple[int, ...]
 
 _CACHED = 64
 """Plans kept per planner, the most recently used."""
+_MISS = 0.01
+"""A checked step above its prediction by more than this share of the un-checkpointed
+peak is a miss."""
+_LONGEST_INTERVAL = 8
+"""After checks that hit, the next is at most this many training steps later."""
+
+
+@dataclasses.dataclass
+class Decision:
+    """What one training forward runs under."""
+
+    costs: Optional[LayoutCosts]
+    sizes: Sizes
+    measure: bool
+    """Run under the plan of least memory and measure the step."""
+    choice: Optional[Choice] = None
+    """The plan solved for, when not measuring; None with ``measure`` or where the layout
+    is no longer measured (then the plan of least memory runs unmeasured)."""
+    source: str = ""
+    """Where the costs came from: ``measured`` or ``fitted``."""
+    check: bool = False
+    """Whether to meter the step and compare it with ``choice.predicted_peak``."""
+    reset: bool = False
+    """Whether that meter resets an accelerator's peak statistics (an earlier reading
+    without a reset could not tell)."""
+    region: int = 0
+    """Bytes the engine keeps per checkpointed call besides its inputs (``region_bytes``)."""
+
+    def describe(self) -> str:
+        if self.costs is None:
+            return "these inputs"
+        return self.costs.layout.describe(self.sizes)
 
 
 class ShapePlanner:
     """Plans for one model and policy at any shape of its inputs (see the module).
 
-    Plain data between calls (the fitted costs, no model), so it pickles and deep-copies
+    Plain data between calls (costs and fits, no model), so it pickles and deep-copies
     with a wrapped model.
 
     Args:
         settings: The candidates, the budget and how plans may checkpoint them.
         max_shapes: The largest shapes the model's inputs will take, as a mapping from an
             input's name (a keyword argument) or position (an int) to its shape; a
-            percentage budget is then read against the plain peak at those shapes from
-            the first plan on.
-        agree: Called with the fitted costs of the first layout measured, returns those
-            every rank of a process group uses (the identity outside one).
+            percentage budget is read against the plain peak at those shapes once the
+            costs over shapes are trusted.
     """
 
-    def __init__(
-        self,
-        settings: PlanSettings,
-        *,
-        max_shapes: Optional[Dict[Any, Sequence[int]]] = None,
-        agree: Optional[Callable[[Any], Any]] = None,
-    ) -> None:
+    def __init__(self, settings: PlanSettings, *, max_shapes: Optional[Dict[Any, Sequence[int]]] = None) -> None:
+        # What a measuring dispatch mode costs per operator, read now, outside any step
+        # (reading it inside one would count its own tensors).
+        dispatch_cost()
+        if settings.levels or settings.save_policy is not None:
+            selective_cost()
         self.settings = settings
         self.max_shapes = max_shapes
         self.reference = 0
-        """The largest un-checkpointed peak planned for or declared so far."""
-        self._measurer = Measurer(settings, agree)
-        self._layouts: List[LayoutCosts] = []
-        self._plans: "collections.OrderedDict[Tuple[int, Sizes, Optional[int]], Choice]" = (
-            collections.OrderedDict()
-        )
-        self._said: set = set()
+        """The largest un-checkpointed peak planned for so far."""
+        self._measured = 0
+        self.checks = 0
+        """How many steps were checked against their prediction."""
+        self._layouts = Layouts(self._forget_plans)
+        self._plans: "collections.OrderedDict[Tuple[Any, ...], Choice]" = collections.OrderedDict()
+        self._steps = 0
+        self._interval = 1
+        self._next_check = 0
+        self._reset = False
+        self._unreachable: Optional[Tuple[Any, ...]] = None
+        # Steps measured whose profiles are taken in at the next plan: fitting allocates,
+        # and the end of a backward is inside the caller's step, often at its peak.
+        self._learned: List[Tuple[Decision, Optional[ModelProfile], Optional[str]]] = []
+        self.watch_base = True
+        """Whether a measured step follows what the forward saves outside the candidates
+        through saved-tensor hooks (off after a measured step whose backward never came:
+        a graph dropped unused keeps what such hooks hold)."""
 
     @property
     def measurements(self) -> int:
-        """How many times the model ran to be measured (every layout, every shape)."""
-        return self._measurer.measurements
+        """How many steps were measured (training steps and example inputs)."""
+        return self._measured + sum(profile is not None for _, profile, _ in self._learned)
 
     def __getstate__(self) -> Dict[str, Any]:
-        # A loss function or an agreement closure often cannot pickle: left out, the
-        # plans made after unpickling use the default loss and agree with no other rank.
+        # A loss function often cannot pickle: left out, the steps measured on example
+        # inputs after unpickling use the default loss.
+        self._take_in()
         state = dict(self.__dict__)
         state["_plans"] = collections.OrderedDict()
-        settings = self.settings
         try:
-            pickle.dumps(settings.loss_fn)
+            pickle.dumps(self.settings.loss_fn)
         except Exception:  # noqa: BLE001 - whatever stops it pickling, leave it out
-            settings = dataclasses.replace(settings, loss_fn=None)
-        state["settings"] = settings
-        state["_measurer"] = Measurer(settings)
+            state["settings"] = dataclasses.replace(self.settings, loss_fn=None)
         return state
 
-    # ------------------------------------------------------------------ planning
+    # ------------------------------------------------------------------ training steps
+
+    def decide(
+        self,
+        model: nn.Module,
+        args: Tuple[Any, ...],
+        kwargs: Dict[str, Any],
+        *,
+        fresh: bool = True,
+        cheap_checks: bool = False,
+    ) -> Decision:
+        """What the training forward on these inputs runs under. ``fresh``: the step
+        starts from no parameter gradients (only such a step is checked); ``cheap_checks``:
+        metering a step costs nothing (an accelerator's peak statistics)."""
+        self._steps += 1
+        self._take_in()
+        costs, sizes = self._layouts.of(args, kwargs)
+        region = region_bytes(model, args, kwargs, self.settings.preserve_rng_state)
+        if costs.given_up:
+            return Decision(costs, sizes, measure=False, region=region)
+        known = costs.costs_at(sizes)
+        if known is None:
+            return Decision(costs, sizes, measure=True, region=region)
+        profile, source = known
+        choice = self._choice(costs, sizes, profile, region, strict=False, model=model)
+        check = fresh and (cheap_checks or self._steps >= self._next_check)
+        reset, self._reset = self._reset and check, self._reset and not check
+        return Decision(
+            costs, sizes, measure=False, choice=choice, source=source, check=check, reset=reset,
+            region=region,
+        )
+
+    def learned(self, decision: Decision, profile: Optional[ModelProfile], failure: Optional[str] = None) -> None:
+        """The step of a measuring ``decision`` has ended, with this profile (None: the
+        recording failed, ``failure`` says why); taken in before the next plan."""
+        self._learned.append((decision, profile, failure))
+
+    def _take_in(self) -> None:
+        learned, self._learned = self._learned, []
+        for decision, profile, failure in learned:
+            self._learn(decision, profile, failure)
+
+    def _learn(self, decision: Decision, profile: Optional[ModelProfile], failure: Optional[str]) -> None:
+        costs = decision.costs
+        if costs is None:
+            return
+        if profile is None:
+            costs.failures += 1
+            if costs.given_up:
+                warn(
+                    f"ckptwrap could not measure a training step at inputs of {decision.describe()} "
+                    f"{costs.failures} times ({failure}); inputs of this layout now run under the "
+                    f"plan of least memory, unmeasured."
+                )
+            return
+        said = costs.learn(decision.sizes, profile)
+        self._measured += 1
+        self._forget_plans(costs)
+        self._next_check = self._steps + 1  # the next solved step is checked
+        self._interval = 1
+        note(
+            f"ckptwrap measured a training step at inputs of {decision.describe()} "
+            f"({profile.step.total / 2**20 if profile.step else 0:.1f} MiB under the plan of least "
+            f"memory): {said}."
+        )
+
+    def measured_plan(self, decision: Decision, profile: ModelProfile) -> Tuple[Optional[int], int]:
+        """The budget and the un-checkpointed peak at the shape of a measured step."""
+        costs = decision.costs
+        assert costs is not None
+        plain = plain_peak(profile, self.settings.names, region_bytes=decision.region)
+        return self._budget(plain, costs), plain
+
+    def abandoned(self, decision: Decision) -> None:
+        """A measuring step ended without a backward."""
+        self.watch_base = False
+
+    def checked(self, decision: Decision, peak: int, exact: bool = True) -> None:
+        """The step of ``decision`` peaked at ``peak`` bytes (its meter's reading; an upper
+        bound of it where not ``exact``)."""
+        choice, costs = decision.choice, decision.costs
+        if choice is None or costs is None:
+            return
+        share = (peak - choice.predicted_peak) / max(choice.plain_peak, 1)
+        if not exact and share > _MISS:
+            # An accelerator's peak not raised by the step, and above the prediction: the
+            # next check resets the statistics to tell.
+            self._reset = True
+            self._next_check = self._steps + 1
+            return
+        self.checks += 1
+        if share <= _MISS:
+            self._interval = min(_LONGEST_INTERVAL, self._interval * 2)
+            self._next_check = self._steps + self._interval
+            return
+        costs.missed(decision.sizes, share, decision.source)
+        self._forget_plans(costs)
+        self._interval = 1
+        self._next_check = self._steps + 1
+        note(
+            f"ckptwrap's plan at inputs of {decision.describe()} peaked {share:.1%} of the "
+            f"un-checkpointed peak above its prediction ({decision.source} costs); plans of these "
+            f"inputs now keep {costs.margin:.1%} free."
+        )
+
+    # ------------------------------------------------------------------ given inputs
 
     def choose(
         self,
@@ -109,146 +251,112 @@ class ShapePlanner:
         strict: bool,
         around: Optional[Callable[[], ContextManager[Any]]] = None,
     ) -> Choice:
-        """The plan for a training forward on these inputs, measuring first if no costs of
-        their layout are known; each time the model runs to be measured, it runs inside
-        ``around()`` (the caller takes its own marks off the model there, say).
+        """The plan for these inputs, measuring one step on them first if their shape's
+        costs are not known; each time the model runs to be measured, it runs inside
+        ``around()`` (the caller takes its own marks off the model there, say). The next
+        training step is checked against the plan's prediction.
 
         Raises:
             CheckpointConfigError: With ``strict``, when no plan fits the budget at these
-                shapes (or at the declared largest ones).
+                shapes.
         """
-        self._measurer.around = around
-        try:
-            index, sizes = self._find(args, kwargs)
-            if index is None:
-                index, sizes = self._measure(model, args, kwargs, strict=strict)
-            costs = self._layouts[index]
-            profile = costs.profile_at(sizes)
-            if profile is None:
-                profile = self._measurer.shape(model, costs, sizes, args, kwargs)
-        finally:
-            self._measurer.around = None
+        self._take_in()
+        costs, sizes = self._layouts.of(args, kwargs)
+        known = costs.profiles.get(sizes)
+        if known is None:
+            settings = self.settings
+            with measuring(), (around() if around is not None else contextlib.nullcontext()):
+                profile = measure_inputs(
+                    model, _resolve_targets(model, settings.names), args, kwargs,
+                    loss_fn=settings.loss_fn, save_policy=settings.save_policy,
+                    preserve_rng_state=settings.preserve_rng_state,
+                )
+            costs.learn(sizes, profile)
+            self._measured += 1
+            known = profile
         region = region_bytes(model, args, kwargs, self.settings.preserve_rng_state)
-        plain = plain_peak(profile, self.settings.names, region_bytes=region)
-        budget = self._budget(plain)
-        key = (index, sizes, None if budget is None else int(budget))
+        choice = self._choice(costs, sizes, known, region, strict=strict, model=model)
+        self._next_check = self._steps + 1
+        return choice
+
+    def seed(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], profile: ModelProfile) -> None:
+        """Take ``profile``, measured on these inputs, as their costs."""
+        costs, sizes = self._layouts.of(args, kwargs)
+        costs.learn(sizes, profile)
+
+    def layout_of(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[str]:
+        """How the shape variables of these inputs read, if their layout is known."""
+        found = self._layouts.find(args, kwargs)
+        return None if found is None else found[0].layout.describe(found[1])
+
+    # ------------------------------------------------------------------ internals
+
+    def _choice(
+        self,
+        costs: LayoutCosts,
+        sizes: Sizes,
+        profile: ModelProfile,
+        region: int,
+        *,
+        strict: bool,
+        model: nn.Module,
+    ) -> Choice:
+        settings = self.settings
+        plain = plain_peak(profile, settings.names, region_bytes=region)
+        budget = self._budget(plain, costs)
+        kept_free = int(costs.margin * plain)
+        key = (id(costs), sizes, None if budget is None else int(budget), kept_free)
         found = self._plans.get(key)
         if found is not None:
             self._plans.move_to_end(key)
             return found
-        settings = self.settings
-        # A batch of one names its operators otherwise than the samples did: whole modules.
+        # A batch of one names its operators otherwise than other batches: whole modules.
         levels = settings.levels and not costs.layout.single(sizes)
+        target = budget if budget is None or not kept_free else max(0, int(budget) - kept_free)
         try:
             choice = choose(
-                profile, settings.candidates, budget,
+                profile, settings.candidates, target,
                 describe=settings.budget.describe() if settings.budget is not None else "the budget",
                 segments=settings.segments, levels=levels, recompute=settings.recompute,
                 region_bytes=region, strict=strict,
             )
         except CheckpointConfigError as error:
-            raise CheckpointConfigError(
-                f"at inputs of {costs.layout.describe(sizes)}: {error}"
-            ) from None
-        if not choice.reachable and "unreachable" not in self._said:
-            self._said.add("unreachable")
+            raise CheckpointConfigError(f"at inputs of {costs.layout.describe(sizes)}: {error}") from None
+        choice = dataclasses.replace(choice, budget=budget)
+        if not choice.reachable and self._unreachable != (id(costs), sizes):
+            self._unreachable = (id(costs), sizes)
             warn(
                 f"{type(model).__name__}: no plan fits {settings.budget.describe()} "  # type: ignore[union-attr]
                 f"({_mib(int(budget or 0))}) at inputs of {costs.layout.describe(sizes)}; this "
                 f"forward runs under the plan of least memory ({_mib(choice.predicted_peak)} "
-                f"predicted), as will any other such shape (said once)."
+                f"predicted). Said each time the shape changes."
             )
         self._plans[key] = choice
         while len(self._plans) > _CACHED:
             self._plans.popitem(last=False)
         return choice
 
-    def seed(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], profile: ModelProfile) -> None:
-        """Take ``profile``, measured directly on these inputs (with a step), as their
-        costs instead of measuring them."""
-        layout = read_layout(args, kwargs)
-        costs = LayoutCosts(layout)
-        costs.profiles[layout.sizes] = profile
-        self._layouts.append(costs)
-
-    def layout_of(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[str]:
-        """How the shape variables of these inputs read, if their layout is known."""
-        index, sizes = self._find(args, kwargs)
-        return None if index is None else self._layouts[index].layout.describe(sizes)
-
-    def _find(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Optional[int], Sizes]:
-        """The measured layout these inputs fit, and their sizes in it. A keyword argument
-        holding a 0-dim tensor that the measured inputs lacked (the Trainer's
-        ``num_items_in_batch``, a loss scale) is looked past: it moves no activation."""
-        scalars = {k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.dim() == 0}
-        tries = [kwargs, {k: v for k, v in kwargs.items() if k not in scalars}] if scalars else [kwargs]
-        for given in tries:
-            for index, costs in enumerate(self._layouts):
-                sizes = costs.layout.sizes_of(args, given)
-                if sizes is not None:
-                    return index, sizes
-        return None, ()
-
-    def _budget(self, plain: int, *, planned: bool = True) -> Optional[int]:
-        """The budget in bytes at a shape whose plain peak is ``plain``; ``planned``: that
-        shape is planned for (or declared), and counts for the largest so far."""
+    def _budget(self, plain: int, costs: LayoutCosts) -> Optional[int]:
+        """The budget in bytes at a shape whose plain peak is ``plain`` (which counts for
+        the largest so far); with ``max_shapes`` and trusted costs, also the plain peak
+        predicted there."""
         budget = self.settings.budget
         if budget is None:
             return None
-        reference = max(self.reference, plain)
-        if planned:
-            self.reference = reference
-        return resolve_budget(budget, reference)
+        self.reference = max(self.reference, plain)
+        if self.max_shapes and costs.fit is not None and costs.trusted:
+            try:
+                declared = costs.layout.declared(self.max_shapes)
+            except CheckpointConfigError:
+                declared = None
+            if declared is not None:
+                profile = costs.fit.profile_at(declared)
+                self.reference = max(self.reference, plain_peak(profile, self.settings.names))
+        return resolve_budget(budget, self.reference)
 
-    # ------------------------------------------------------------------ measuring
-
-    def _measure(self, model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], *, strict: bool) -> Tuple[int, Sizes]:
-        """Measure the costs of a new layout; its index and these inputs' sizes."""
-        region = region_bytes(model, args, kwargs, self.settings.preserve_rng_state)
-        costs = self._measurer.layout(model, args, kwargs, lambda fitted: self._bound(fitted, region))
-        self._layouts.append(costs)
-        if len(self._layouts) == 1 and self.max_shapes:
-            self._declare(model, costs, region, strict=strict)
-        return len(self._layouts) - 1, costs.layout.sizes
-
-    def _bound(self, fitted: ModelProfile, region: int) -> Optional[int]:
-        """The most a measurement at these costs' shape may hold: the budget there, or the
-        least any plan reaches when that is more; None without a budget."""
-        if self.settings.budget is None:
-            return None
-        names = self.settings.names
-        budget = self._budget(plain_peak(fitted, names, region_bytes=region), planned=False)
-        ordered, _, tail = step_items(fitted, names, segments=self.settings.segments, region_bytes=region)
-        lowest = smallest_reachable_peak([item for _, item in ordered], base=fitted.base_bytes, tail=tail)
-        return max(int(budget), lowest)  # type: ignore[arg-type]
-
-    def _declare(self, model: nn.Module, costs: LayoutCosts, region: int, *, strict: bool) -> None:
-        """Read the declared largest shapes as sizes of the first layout and plan there
-        (without measuring), so that a percentage is read against them from the start
-        and, with ``strict``, a budget they cannot reach is an error now."""
-        declared = costs.layout.declared(self.max_shapes or {})
-        if declared == costs.layout.sizes:
-            return
-        profile = costs.profile_at(declared) if costs.fit is not None else None
-        if profile is None:
-            warn(
-                f"max_shapes were left aside: {type(model).__name__}'s costs could not be "
-                f"fitted over its input shapes, so shapes not measured cannot be planned for."
-            )
-            return
-        budget = self._budget(plain_peak(profile, self.settings.names, region_bytes=region))
-        if not strict or budget is None:
-            return
-        settings = self.settings
-        try:
-            choose(
-                profile, settings.candidates, budget, segments=settings.segments,
-                levels=settings.levels, region_bytes=region, strict=True,
-            )
-        except CheckpointConfigError as error:
-            raise CheckpointConfigError(
-                f"at the declared max_shapes ({costs.layout.describe(declared)}): {error}"
-            ) from None
+    def _forget_plans(self, costs: LayoutCosts) -> None:
+        for key in [key for key in self._plans if key[0] == id(costs)]:
+            del self._plans[key]
 
 
 def resolve_budget(budget: Budget, reference: int) -> int:

@@ -1,27 +1,34 @@
-"""What each candidate module costs: the bytes its forward keeps for backward, the bytes of
-its inputs and outputs, its forward time and FLOPs, and the model's total activation memory.
+"""What each candidate module costs, measured on one training step run on given inputs:
+every outermost candidate checkpointed, the step's loss backpropagated with
+``torch.autograd.grad`` (the model's ``.grad`` fields untouched), and a recorder
+(``_recorder``) fed by the candidates as they run and are recomputed.
 
-Modules are measured one at a time, on detached copies of the inputs the model's own forward
-hands them, so profiling never holds the whole model's un-checkpointed activations.
+This is how costs are measured where the caller hands example inputs (``plan``,
+``wrap_model(..., example_inputs=...)``, the doctor, the command line); a wrapped model
+learns from its own training steps instead, through the same recorder.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from .._errors import CheckpointConfigError
-from ._module_costs import ModelProfile, ModuleCost
-from ._profile_run import Record, SavePolicy, Session
+from .._hf import cache_free_arguments, fresh_caches
+from ..engine import checkpoint, graph_nodes, reaches_reentrant
+from ..measure import SavePolicy, differentiable, tensors
+from ._module_costs import ModelProfile
 from ._progress import ProgressBar, should_show
-from ._step import StepPeaks, measure_step
-from ..measure import tensors
+from ._recorder import StepRecorder
+from ._timing import RngState
 
-__all__ = ["measure_training_step", "profile_modules"]
+__all__ = ["measure_inputs", "profile_modules", "step_device"]
 
 
 def profile_modules(
@@ -30,38 +37,39 @@ def profile_modules(
     args: Any = (),
     kwargs: Optional[Mapping[str, Any]] = None,
     *,
-    repeats: int = 3,
+    repeats: int = 1,
     progress: Optional[bool] = None,
     save_policy: Optional[SavePolicy] = None,
     step: bool = False,
     loss_fn: Optional[Callable[[Any], Any]] = None,
     preserve_rng_state: bool = True,
 ) -> ModelProfile:
-    """Measure what each named module costs in one forward of ``model``.
+    """Measure what each named module costs in one training step of ``model`` on these
+    inputs.
 
-    The model runs as it is, in its current train or eval mode: profile a training model in
-    train mode. Each candidate is measured when the model's own forward reaches it: its
-    inputs are detached and copied, and the module's ``forward`` alone runs on them with
-    autograd on, under a saved-tensors hook that collects the storages it saves, and under
-    ``FlopCounterMode``; its outputs are dropped at once, and the real call then runs with
-    autograd off. The rest of the forward runs with autograd on, so that what is saved
-    outside the candidates is counted too. Memory thus never exceeds the activations outside
-    the candidates plus those of one candidate. A second forward, with autograd off, times
-    each candidate's forward ``repeats`` times with autograd on.
+    One step runs, forward and backward, with every outermost candidate checkpointed:
+    the least any plan holds between forward and backward, so measuring never needs more
+    memory than the most checkpointed plan. Without ``loss_fn`` the output stays alive
+    through the backward, as in the loop people write around a model that returns its
+    loss (``out = model(**batch); out.loss.backward()``); with one, it is dropped once the
+    loss is made (``loss_fn(model(x)).backward()``). Each candidate's saved tensors are seen as
+    its region drops them (what it would keep if it were plain), its operators (bytes,
+    FLOPs, which outputs autograd saves) through a dispatch mode inside its forward, its
+    inputs and outputs as it is called, and its working set as it is recomputed. What the
+    forward saves outside the candidates is seen through saved-tensor hooks. A candidate
+    nested in another is measured inside it through forward hooks.
 
     Bytes are counted per storage, never per tensor: a saved view keeps its whole storage,
     and storages shared by several saved tensors (``q``, ``k``, ``v`` split from one
-    projection) count once. A candidate nested in another is measured on its own as well;
-    inside the outer one it runs with autograd off, so whether its inputs would need grad
-    is guessed (they do if anything in the model does). A module that calls itself is
-    measured at its outermost call only; one called several times gets the sum of its calls.
-    A layer that writes a KV cache (a Hugging Face decoder layer) is measured as a
-    checkpointed call of it runs, without the cache: the measurement is a second run of its
-    forward, which must not write the cache again.
+    projection) count once. A module that calls itself is measured at its outermost call
+    only; one called several times gets the sum of its calls. A layer that writes a KV
+    cache (a Hugging Face decoder layer) runs without the cache, as a checkpointed call of
+    it does; a cache passed in is copied first, so the caller's is left as it was.
 
-    Afterwards the model is as it was: training flags, buffers (BatchNorm running statistics)
-    and the CPU and accelerator RNG states are restored, so the next training step draws the
-    same dropout masks as it would have without profiling.
+    The model runs in its current train or eval mode (profile a training model in train
+    mode). Afterwards it is as it was: training flags, buffers (BatchNorm running
+    statistics), ``.grad`` fields and the CPU and accelerator RNG states, so the next
+    training step draws the same dropout masks as it would have without profiling.
 
     Args:
         model: The model to profile. Profile it unwrapped: a checkpointed module keeps
@@ -69,24 +77,24 @@ def profile_modules(
         names: Qualified names (from ``model.named_modules()``) of the candidate modules.
         args: Positional example inputs of ``model``'s forward (a single tensor is allowed).
         kwargs: Keyword example inputs of ``model``'s forward.
-        repeats: How many timed runs each candidate call gets (the median is kept); ``0``
-            skips timing and leaves every ``forward_time`` at zero.
+        repeats: ``0`` leaves every time at zero (bytes only); any other count keeps the
+            times of the step measured (its forwards and recomputations, the meter's own
+            cost per operator taken off).
         progress: ``True`` or ``False`` to force a progress bar on standard error on or off;
             ``None`` draws one only on a terminal and for more than about twenty candidates.
         save_policy: A selective-checkpointing policy, as given to torch's
-            ``create_selective_checkpoint_contexts``: each module's forward is then also
-            measured as a selective checkpoint of it would run (``policy_saved_bytes``,
-            ``policy_saved_kept_bytes``, ``recompute_time``).
-        step: Also run one training step (forward and backward) with every outermost
-            candidate checkpointed and measure its memory phase by phase
-            (:class:`~ckptwrap.measure._step.StepPeaks`), for predicting the whole step's
-            peak. Its memory is that of the plan that recomputes every candidate. The
-            model's ``.grad`` fields are left as they were.
-        loss_fn: With ``step``, ``loss_fn(output)`` is the loss the step backpropagates
-            from; by default the output itself if it is a scalar, its ``loss`` if it has
-            one, else every floating-point output with gradients of ones.
-        preserve_rng_state: With ``step``, the engine option the step's checkpoints run
-            with (on the CPU each keeps the generator's state).
+            ``create_selective_checkpoint_contexts``: the candidates then run as selective
+            checkpoints of them would (``policy_saved_bytes``, ``policy_saved_kept_bytes``,
+            ``recompute_time``).
+        step: Keep the step's memory phase by phase
+            (:class:`~ckptwrap.planner.StepPeaks`) in the profile, for predicting the
+            whole step's peak under any plan.
+        loss_fn: ``loss_fn(output)`` is the loss the step backpropagates from; by default
+            the output itself if it is a scalar, its ``loss`` if it has one, else every
+            floating-point output with gradients of ones (see above for how long the
+            output lives).
+        preserve_rng_state: The engine option the step's checkpoints run with (on the CPU
+            each keeps the generator's state).
 
     Returns:
         A :class:`ModelProfile` with one :class:`ModuleCost` per name, in model order.
@@ -106,89 +114,171 @@ def profile_modules(
         )
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 0:
         raise CheckpointConfigError(f"repeats must be an integer >= 0, got {repeats!r}")
-    targets = _resolve_targets(model, names)
-    args = (args,) if isinstance(args, torch.Tensor) else tuple(args)
-    kwargs = dict(kwargs or {})
-    passes = 2 if repeats else 1
-    bar = ProgressBar(
-        len(targets) * passes,
-        label="profiling memory",
-        enabled=should_show(progress, len(targets)),
-    )
     if save_policy is not None and not callable(save_policy):
         raise CheckpointConfigError(
             f"save_policy must be a callable policy(ctx, op, *args, **kwargs), got "
             f"{type(save_policy).__name__}"
         )
-    session = Session(
-        model, targets, args, kwargs, repeats=repeats, bar=bar, save_policy=save_policy
+    targets = _resolve_targets(model, names)
+    args = (args,) if isinstance(args, torch.Tensor) else tuple(args)
+    bar = ProgressBar(
+        2 * len(targets), label="profiling", enabled=should_show(progress, len(targets))
     )
-    state = _ModelState(model)
-    grad_mode = torch.is_grad_enabled()
-    steps = None
     try:
-        session.run()
-        if step:
-            session.start_rng.restore()
-            state.restore()
-            steps = measure_step(
-                model, _outermost(targets), args, kwargs, _device(model, args, kwargs),
-                loss_fn, save_policy, preserve_rng_state,
-            )
+        profile = measure_inputs(
+            model, targets, args, dict(kwargs or {}), loss_fn=loss_fn, save_policy=save_policy,
+            preserve_rng_state=preserve_rng_state, timed=repeats > 0, bar=bar, train=False,
+        )
     finally:
-        torch.set_grad_enabled(grad_mode)
-        session.start_rng.restore()
-        state.restore()
         bar.close()
-    # Calls nested in another candidate's call are inside that one's kept bytes already.
-    kept = sum(record.outer_kept for record in session.records)
-    return ModelProfile(
-        modules=tuple(_cost(record, save_policy is not None) for record in session.records),
-        total_activation_bytes=session.base_bytes + kept,
-        base_bytes=session.base_bytes,
-        step=steps,
-    )
+    return profile if step else dataclasses.replace(profile, step=None)
 
 
-def measure_training_step(
+def measure_inputs(
     model: nn.Module,
-    names: Sequence[str],
+    targets: Sequence[Tuple[str, nn.Module]],
     args: Tuple[Any, ...],
     kwargs: Dict[str, Any],
     *,
     loss_fn: Optional[Callable[[Any], Any]] = None,
     save_policy: Optional[SavePolicy] = None,
     preserve_rng_state: bool = True,
-) -> StepPeaks:
-    """One training step of ``model`` with every outermost one of ``names`` checkpointed,
-    measured phase by phase (what ``profile_modules(..., step=True)`` adds to a profile),
-    without profiling the modules: how the planner checks its fitted costs on the shape
-    it plans for. The model is left as it was (``.grad`` fields, buffers, flags, RNG)."""
-    targets = _resolve_targets(model, names)
+    timed: bool = True,
+    bar: Optional[ProgressBar] = None,
+    train: bool = True,
+) -> ModelProfile:
+    """One step on given inputs, measured (see :func:`profile_modules`); the model is left
+    as it was. With ``train``, a model in eval mode is measured in train mode (dropout
+    on), as it will train.
+
+    Raises:
+        CheckpointConfigError: If the recording failed (it says why).
+    """
+    device = step_device(model, args, kwargs)
+    recorder = StepRecorder(model, targets, device, save_policy=save_policy, timed=timed, bar=bar)
     state = _ModelState(model)
     grad_mode = torch.is_grad_enabled()
+    context_fn = None
+    if save_policy is not None:
+        context_fn = functools.partial(create_selective_checkpoint_contexts, save_policy)
+    originals: List[Tuple[nn.Module, Any]] = []
     try:
-        return measure_step(
-            model, _outermost(targets), tuple(args), dict(kwargs), _device(model, args, kwargs),
-            loss_fn, save_policy, preserve_rng_state,
-        )
+        if train and not model.training:
+            model.train()
+        for _, module in recorder.outermost:
+            originals.append((module, module.__dict__.get("forward")))
+            module.forward = _Region(recorder, module, context_fn, preserve_rng_state)
+        with RngState([device] if device.type != "cpu" else []).kept():
+            call_args, call_kwargs = fresh_caches(args, kwargs)
+            torch.set_grad_enabled(True)
+            recorder.begin(call_args, call_kwargs)
+            output = None
+            try:
+                output = model(*call_args, **call_kwargs)
+            finally:
+                recorder.forward_done(output, follow=False)
+            # Without a loss function the output stays alive through the backward, as in
+            # the loop people write around a model that returns its loss (``out =
+            # model(**batch); out.loss.backward()``): logits and caches count. With one,
+            # as in ``loss_fn(model(x)).backward()``, only what the loss keeps does.
+            with recorder.phases.inside():
+                roots, grads = _loss(output if loss_fn is None else loss_fn(output))
+            if loss_fn is not None:
+                del output
+            recorder.phases.follow(roots)
+            wanted = [p for p in model.parameters() if p.requires_grad]
+            if roots and wanted and reaches_reentrant(roots):
+                _backward_keeping_grads(roots, grads, wanted)
+            elif roots and wanted:
+                # Returned, not accumulated: the caller's .grad fields stay as they were.
+                torch.autograd.grad(roots, wanted, grads, allow_unused=True)
+            del roots, grads
+            profile = recorder.finish()
     finally:
+        recorder.abandon("the step raised")
+        for module, forward in originals:
+            if forward is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = forward
         torch.set_grad_enabled(grad_mode)
         state.restore()
+    if profile is None:
+        raise CheckpointConfigError(
+            f"measuring {type(model).__name__} on the given inputs failed: {recorder.failed}"
+        )
+    return profile
 
 
-def _outermost(targets: List[Tuple[str, nn.Module]]) -> List[Tuple[str, nn.Module]]:
-    """The targets not inside another target: each is checkpointed once in the step."""
-    names = [name for name, _ in targets]
-    return [
-        (name, module)
-        for name, module in targets
-        if not any(name.startswith(other + ".") for other in names if other)
-        and name != ""
-    ]
+class _Region:
+    """An outermost candidate's forward while a step on given inputs is measured: a
+    checkpointed region, as a plan's regions run, that tells the recorder what it does."""
+
+    def __init__(self, recorder: StepRecorder, module: nn.Module, context_fn: Any, preserve_rng_state: bool) -> None:
+        self.recorder, self.module = recorder, module
+        self.previous = module.__dict__.get("forward")
+        self.context_fn, self.preserve_rng_state = context_fn, preserve_rng_state
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module
+        call = self.previous or functools.partial(type(module).forward, module)
+        rewritten = cache_free_arguments(module, args, kwargs)
+        if rewritten is not None:
+            args, kwargs = rewritten
+
+        def run(fn: Callable[..., Any]) -> Any:
+            return checkpoint(
+                fn, *args, context_fn=self.context_fn, preserve_rng_state=self.preserve_rng_state,
+                **kwargs,
+            )
+
+        return self.recorder.region(module, call, args, kwargs, run)
 
 
-def _device(model: nn.Module, args: Any, kwargs: Any) -> torch.device:
+def _loss(output: Any) -> Tuple[List[torch.Tensor], List[Optional[torch.Tensor]]]:
+    """What the step backpropagates from, and the gradients it starts with."""
+    loss = output if isinstance(output, torch.Tensor) else _loss_attribute(output)
+    if isinstance(loss, torch.Tensor) and loss.requires_grad and loss.numel() == 1:
+        return [loss], [None]
+    roots = [t for t in tensors(output) if t.requires_grad and differentiable(t)]
+    return roots, [torch.ones_like(t) for t in roots]
+
+
+def _loss_attribute(output: Any) -> Any:
+    if isinstance(output, dict) or hasattr(output, "keys"):
+        try:
+            return output.get("loss")
+        except (AttributeError, TypeError):
+            return None
+    return getattr(output, "loss", None)
+
+
+def _backward_keeping_grads(
+    roots: List[torch.Tensor], grads: List[Optional[torch.Tensor]], parameters: List[torch.Tensor]
+) -> None:
+    """Backward from ``roots`` through a re-entrant region (a checkpoint inside the model
+    with ``use_reentrant=True``, which ``torch.autograd.grad`` cannot pass): accumulated
+    into fresh ``.grad`` fields, as a step from zeroed gradients does, then put back as
+    the caller had them. A re-entrant region's own parameters are reached only by the
+    backward it runs inside, so every parameter is kept besides the leaves in the graph."""
+    leaves = list({id(t): t for t in [*parameters, *_leaves(roots)]}.values())
+    kept = [(leaf, leaf.grad) for leaf in leaves]
+    for leaf in leaves:
+        leaf.grad = None
+    try:
+        torch.autograd.backward(roots, grads)
+    finally:
+        for leaf, grad in kept:
+            leaf.grad = grad
+
+
+def _leaves(roots: List[torch.Tensor]) -> List[torch.Tensor]:
+    """The leaf tensors whose ``.grad`` a backward from ``roots`` accumulates into."""
+    found = (getattr(node, "variable", None) for node in graph_nodes(roots))
+    return list({id(t): t for t in found if isinstance(t, torch.Tensor)}.values())
+
+
+def step_device(model: nn.Module, args: Any, kwargs: Any) -> torch.device:
     """The device the step allocates on: that of the first accelerator tensor, else the CPU."""
     for tensor in [*tensors((args, kwargs)), *model.parameters(), *model.buffers()]:
         if tensor.device.type not in ("cpu", "meta"):
@@ -233,22 +323,6 @@ def _unknown_names_message(model: nn.Module, unknown: List[str], valid: List[str
         f"profile_modules got module names not in {type(model).__name__}.named_modules(): "
         f"{shown}; {hint} ({len(valid)} modules in all, '' is the model itself)"
     )
-
-
-def _cost(record: Record, replayed: bool) -> ModuleCost:
-    """The frozen cost of a finished record (they share their fields' names)."""
-    values = {
-        field.name: getattr(record, field.name)
-        for field in dataclasses.fields(ModuleCost)
-        if hasattr(record, field.name)
-    }
-    values.update(
-        kind=type(record.module).__name__,
-        called=record.calls > 0,
-        recompute_time=record.recompute_time if replayed else None,
-        ops=tuple(record.ops or ()),
-    )
-    return ModuleCost(**values)
 
 
 class _ModelState:

@@ -1,6 +1,6 @@
-"""What the profiler's passes keep per candidate while they run: its :class:`Record`
-(the fields of its ``ModuleCost``, added up call by call), the frame of a call in
-progress, and the ledger of which storages are the inputs of which outermost calls.
+"""What a measured step keeps per candidate while it runs: its :class:`Record` (the
+fields of its ``ModuleCost``, added up call by call), and the ledger of which storages
+are the inputs of which outermost calls.
 """
 
 from __future__ import annotations
@@ -49,24 +49,14 @@ class Record:
     selective_overhead: float = 0.0
     recompute_time: float = 0.0  # with a save policy: the forward replaying the saved outputs
     ops: Optional[List[OpCost]] = None  # summed over its calls; None when they differ
-    # What the passes need besides.
+    # What the measurement needs besides.
     outer_kept: int = 0  # kept bytes of calls not nested in another candidate's: the total
     joined: Optional["Record"] = None  # the record of the call it continues a chain from
     depth: int = 0  # > 1 while the module is inside a call of itself
-    timed: int = 0
-    # Per call of the memory pass: which tensor inputs need grad, and the grad mode; the
-    # timing pass runs under no_grad and cannot see either.
-    call_modes: List[Tuple[List[bool], bool]] = dataclasses.field(default_factory=list)
-
-
-@dataclasses.dataclass
-class _Frame:
-    """A candidate call in progress during the memory pass."""
-
-    nested: bool
-    grad: bool  # the grad mode the call would have run under
-    out_grads: List[bool]  # per tensor output: whether it requires grad
-    out_kept: List[bool]  # per tensor output: whether the module itself saves it
+    forward_seconds: float = 0.0  # its forwards, as metered
+    forward_ops: int = 0  # operators its forwards ran
+    recompute_seconds: float = 0.0  # its recomputations, the meter's cost taken off
+    recomputed: int = 0  # how many of its calls were recomputed
 
 
 class InputLedger:

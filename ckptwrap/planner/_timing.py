@@ -1,21 +1,19 @@
-"""Timing one module's forward on its device, and keeping the random number generators'
-state so that measuring a call changes neither what it draws nor what the model draws next.
+"""Keeping the random number generators' state, so that a step run to be measured changes
+neither what it draws nor what the model draws next; and what one operator costs to run
+through a measuring dispatch mode, so that times metered under one are told apart from
+the work itself.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Sequence, Tuple
+from typing import Iterable, Iterator
 
 import torch
-from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from ._ops import OpTimer
-from ..measure import SavePolicy
-
-__all__ = ["RngState", "device_of", "time_forward", "time_ops", "time_replay", "time_unsaved_replay"]
+__all__ = ["RngState", "dispatch_cost", "selective_cost"]
 
 
 class RngState:
@@ -43,84 +41,56 @@ class RngState:
             self.restore()
 
 
-def device_of(inputs: Sequence[torch.Tensor], module: nn.Module) -> torch.device:
-    """Where the module computes: its first accelerator input, else its first parameter."""
-    for tensor in [*inputs, *module.parameters(), *module.buffers()]:
-        if tensor.device.type != "cpu":
-            return tensor.device
-    return torch.device("cpu")
+_CALIBRATION_OPS = 400
 
 
-def time_forward(
-    module: nn.Module, args: Any, kwargs: Dict[str, Any], device: torch.device
-) -> float:
-    """Seconds one ``module.forward`` takes, waiting for the device to finish its work."""
-    if device.type == "cuda":
-        with torch.cuda.device(device):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            output = module.forward(*args, **kwargs)
-            end.record()
-            end.synchronize()
-        # The output lives until here so that freeing its graph is not timed.
-        del output
-        return start.elapsed_time(end) / 1000.0
-    synchronize = _synchronizer(device)
-    synchronize()
-    start_time = time.perf_counter()
-    output = module.forward(*args, **kwargs)
-    synchronize()
-    elapsed = time.perf_counter() - start_time
-    del output
-    return elapsed
+@functools.lru_cache(maxsize=1)
+def dispatch_cost() -> float:
+    """Seconds one operator spends in a measuring dispatch mode (the phase meter's storage
+    counter, following moments) beyond running: measured once per process on tiny CPU
+    tensors, where an operator's own time is negligible. Times of a metered step are
+    corrected by it (times only rank plans; bytes are exact)."""
+    from ._phases import PhaseMeter  # the meter whose cost this is
+
+    x = torch.zeros(1)
+
+    def work() -> float:
+        start = time.perf_counter()
+        value = x
+        for _ in range(_CALIBRATION_OPS):
+            value = value + 1.0
+        return time.perf_counter() - start
+
+    work()
+    plain = min(work() for _ in range(3))
+    meter = PhaseMeter(torch.device("cpu"))
+    with meter:
+        metered = min(work() for _ in range(3))
+    return max(0.0, (metered - plain) / _CALIBRATION_OPS)
 
 
-def time_replay(
-    module: nn.Module, args: Any, kwargs: Dict[str, Any], device: torch.device, policy: SavePolicy
-) -> float:
-    """Seconds a selective recomputation of ``module`` takes: its forward, with the outputs
-    ``policy`` saves taken from a first, untimed forward instead of computed."""
-    record, replay = create_selective_checkpoint_contexts(policy)
-    with record:
-        output = module.forward(*args, **kwargs)
-    del output
-    with replay:
-        return time_forward(module, args, kwargs, device)
+@functools.lru_cache(maxsize=1)
+def selective_cost() -> float:
+    """Seconds torch's selective checkpointing adds to one operator of a forward (its
+    dispatch mode, saving nothing): measured once per process on tiny CPU tensors. A
+    selective level pays it twice per operator (forward and recomputation)."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+    def nothing(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
+        return CheckpointPolicy.PREFER_RECOMPUTE
 
-def time_unsaved_replay(
-    module: nn.Module, args: Any, kwargs: Dict[str, Any], device: torch.device
-) -> float:
-    """Seconds ``module.forward`` takes under torch's selective checkpointing saving
-    nothing: the plain forward plus what the selective dispatch mode adds."""
-    return time_replay(module, args, kwargs, device, _save_nothing)
+    x = torch.zeros(1)
 
+    def work() -> float:
+        start = time.perf_counter()
+        value = x
+        for _ in range(_CALIBRATION_OPS):
+            value = value + 1.0
+        return time.perf_counter() - start
 
-def _save_nothing(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def time_ops(
-    module: nn.Module, args: Any, kwargs: Dict[str, Any], device: torch.device
-) -> List[Tuple[str, float]]:
-    """(operator packet, seconds) for each operator of one ``module.forward``, in order.
-
-    Each operator waits for the device before and after it, so its time is its own; the
-    forward's time is measured apart (:func:`time_forward`), without this overhead.
-    """
-    timer = OpTimer(_synchronizer(device))
-    with timer:
-        output = module.forward(*args, **kwargs)
-    del output
-    return timer.times
-
-
-def _synchronizer(device: torch.device) -> Callable[[], None]:
-    """A call that waits for ``device``; a no-op for the CPU and devices that cannot wait."""
-    if device.type in ("cpu", "meta"):
-        return lambda: None
-    synchronize = getattr(getattr(torch, device.type, None), "synchronize", None)
-    if not callable(synchronize):
-        return lambda: None
-    return lambda: synchronize(device)
+    work()
+    plain = min(work() for _ in range(3))
+    forward, _ = create_selective_checkpoint_contexts(nothing)
+    with forward:
+        selective = min(work() for _ in range(3))
+    return max(0.0, (selective - plain) / _CALIBRATION_OPS)

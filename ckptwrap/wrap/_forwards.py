@@ -32,7 +32,7 @@ class _CheckpointedForward:
     copying rebuild it around the copied module.
     """
 
-    __slots__ = ("_module", "options", "previous", "offload", "chain", "__weakref__")
+    __slots__ = ("_module", "options", "previous", "offload", "chain", "observer", "__weakref__")
 
     def __init__(
         self,
@@ -41,12 +41,15 @@ class _CheckpointedForward:
         previous: Optional[Callable[..., Any]],
         offload: bool = False,
         chain: Tuple["_SegmentMember", ...] = (),
+        observer: Any = None,
     ) -> None:
         self._module = weakref.ref(module)
         self.options = options
         self.previous = previous  # an instance-level forward someone else had set, if any
         self.offload = offload
         self.chain = chain  # the modules that run in this module's region after it
+        # A step recorder (``planner.StepRecorder``) told of each call, on a step measured.
+        self.observer = observer
 
     def module(self) -> nn.Module:
         module = self._module()
@@ -69,6 +72,11 @@ class _CheckpointedForward:
             return run_offloaded(module, call, args, kwargs)
         if self.chain and _segment_runs(args, kwargs) and not self._members_hooked():
             return self._run_segment(module, call, args[0])
+        if self.observer is not None:
+            options = self.options
+            return self.observer.region(
+                module, call, args, kwargs, lambda watched: run_region(module, watched, args, kwargs, options)
+            )
         return run_region(module, call, args, kwargs, self.options)
 
     def _members_hooked(self) -> bool:

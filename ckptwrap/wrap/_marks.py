@@ -8,7 +8,7 @@ and optimizer state are the same before, after and after unmarking.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from torch import nn
 
@@ -25,9 +25,10 @@ def apply_plan(model: nn.Module, applied: Plan) -> None:
     setattr(model, PLAN_ATTRIBUTE, recorded(model, applied, modules))
 
 
-def mark(model: nn.Module, applied: Plan) -> Dict[str, nn.Module]:
+def mark(model: nn.Module, applied: Plan, observer: Any = None) -> Dict[str, nn.Module]:
     """Give the modules ``applied`` selects their checkpointed forwards; returns the
-    model's modules by name."""
+    model's modules by name. With ``observer`` (a step recorder), each region tells it
+    what it does."""
     modules = dict(model.named_modules())
     offload = applied.tier == "offload"
     members: Dict[str, _SegmentMember] = {}
@@ -48,7 +49,7 @@ def mark(model: nn.Module, applied: Plan) -> Dict[str, nn.Module]:
             name = follower.get(name)
         options = entry_options(applied.options, entry.saved_ops)
         module.forward = _CheckpointedForward(
-            module, options, module.__dict__.get("forward"), offload, tuple(chain)
+            module, options, module.__dict__.get("forward"), offload, tuple(chain), observer
         )
     return modules
 

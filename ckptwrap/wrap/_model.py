@@ -13,9 +13,8 @@ from torch import nn
 from .._errors import CheckpointConfigError
 from ..planner import Plan, as_example
 from ._marks import PLAN_ATTRIBUTE, apply_plan, unmark
-from ._per_shape import PlanPerShape, remove_pending
-from ._planning import _select, measured, plan, refuse_inference, shape_planner
-from ._ranks import agreement
+from ._per_shape import PlanPerShape, StepEnd, remove_pending
+from ._planning import _select, check_max_shapes, measured, plan, refuse_inference, shape_planner
 from ._transformers import TransformersSwitch, switch_of
 
 __all__ = ["wrap_model", "unwrap_model", "remove_pending", "uncompiled", "PLAN_ATTRIBUTE"]
@@ -128,23 +127,28 @@ def _wrap(
         # Planned again on the wrapped model, the budget would be read against the memory
         # that is left: wrapping twice stays a no-op.
         return model
-    planner = shape_planner(
-        model, policy, unmeasured, budget, loss_fn, max_shapes, agree=agreement(model, unmeasured)
-    )
+    planner = shape_planner(model, policy, unmeasured, budget, loss_fn, max_shapes)
     hook = PlanPerShape(planner, unmeasured, follow_shapes)
     if example_inputs is None and example_kwargs is None:
         remove_pending(model)
-        model.register_forward_pre_hook(hook, with_kwargs=True)
+        _register(model, hook)
         setattr(model, PLAN_ATTRIBUTE, dataclasses.replace(unmeasured, pending=True))
         return model
     args, kwargs = as_example(example_inputs, example_kwargs)
+    check_max_shapes(model, max_shapes, (args, kwargs))
     refuse_inference(budget, unmeasured, args, kwargs)
     applied = measured(unmeasured, planner.choose(model, args, kwargs, strict=True))
     remove_pending(model)
     apply_plan(model, applied)
-    hook.applied = applied
-    model.register_forward_pre_hook(hook, with_kwargs=True)
+    hook.applied, hook._solved = applied, True
+    _register(model, hook)
     return model
+
+
+def _register(model: nn.Module, hook: PlanPerShape) -> None:
+    """The hooks that plan each training forward and follow its step to the end."""
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    model.register_forward_hook(StepEnd(hook), always_call=True)
 
 
 @contextlib.contextmanager

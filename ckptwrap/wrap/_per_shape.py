@@ -1,95 +1,332 @@
-"""The forward pre-hook of a model wrapped with a ``budget:`` policy, which plans each
-training forward's shape before it goes on (measuring on the first, a solve after)."""
+"""The hooks of a model wrapped with a ``budget:`` policy: before each training forward
+they ask the planner what to run (the plan solved for that shape, or the plan of least
+memory with the step measured), switch the marks, and follow the step until its
+backward ends, to hand the planner what it measured.
+
+A step is followed from the forward's pre-hook, through whatever the caller does with
+the output (a loss, outputs kept alive), to the end of the backward, found by a hook on
+the outputs that queues a callback on autograd's engine. Its meter (a dispatch mode) is
+on the caller's mode stack during the forward alone and goes through the backward node
+by node (``measure.StepSpan``): nothing of ckptwrap's stays on any stack between steps.
+
+Switching marks only between forwards is safe for a backward still pending: each
+forward captured the function and options it ran with, and its recomputation uses those.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import functools
+import weakref
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import _torch_private
 from .._compiling import outside_graph
-from .._warn import note
-from ..planner import Plan, ShapePlanner, is_measuring
+from .._errors import CheckpointConfigError
+from .._warn import note, warn
+from ..measure import SpanPeak, tensors
+from ..planner import Decision, Plan, PlanEntry, ShapePlanner, StepRecorder, is_measuring, step_device
 from ._marks import PLAN_ATTRIBUTE, apply_plan, mark, named, unmark
 from ._planning import measured
 
-__all__ = ["PlanPerShape", "remove_pending"]
+__all__ = ["PlanPerShape", "StepEnd", "remove_pending"]
+
+
+class _Step:
+    """One training step followed from its forward's pre-hook to the end of its backward."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        planner: ShapePlanner,
+        decision: Decision,
+        recorder: Optional[StepRecorder] = None,
+        meter: Optional[SpanPeak] = None,
+    ) -> None:
+        self.model = weakref.ref(model)
+        self.planner, self.decision = planner, decision
+        self.recorder, self.meter = recorder, meter
+        self.forward_done_ = False
+        self.queued = False
+        self.ended = False
+        self.learned: Optional[Any] = None  # the profile a measured step gave
+
+    def end(self) -> None:
+        """The backward has ended (called by autograd's engine): hand the planner what
+        was measured. Never raises into the backward."""
+        if self.ended:
+            return
+        self.ended = True
+        try:
+            if self.recorder is not None:
+                self.learned = self.recorder.finish()
+                self.planner.learned(self.decision, self.learned, self.recorder.failed)
+                self._record_measured()
+            elif self.meter is not None:
+                peak = self.meter.stop()
+                self.planner.checked(self.decision, peak, self.meter.exact)
+        except Exception as error:  # noqa: BLE001 - the caller's backward must go on
+            note(f"ckptwrap could not take in a step it followed: {type(error).__name__}: {error}")
+
+    def _record_measured(self) -> None:
+        """Give the model's plan record what the measured step showed at its shape."""
+        model, profile = self.model(), self.learned
+        record = None if model is None else model.__dict__.get(PLAN_ATTRIBUTE)
+        if profile is None or not isinstance(record, Plan) or record.pending:
+            return
+        budget, plain = self.planner.measured_plan(self.decision, profile)
+        setattr(model, PLAN_ATTRIBUTE, dataclasses.replace(
+            record, budget=budget, plain_peak=plain, activation_bytes=profile.total_activation_bytes,
+            predicted_peak=profile.step.total if profile.step is not None else None,
+        ))
+
+    def abandon(self, why: str) -> None:
+        """The step ends without a backward (none came before the next training forward,
+        or the forward raised): nothing is learned from it."""
+        if self.ended:
+            return
+        self.ended = True
+        if self.recorder is not None:
+            self.recorder.abandon(why)
+            self.planner.abandoned(self.decision)
+        elif self.meter is not None:
+            self.meter.stop()
+
+    def forward_done(self, output: Any) -> None:
+        """The forward returned: carry the meter into the backward from the output."""
+        self.forward_done_ = True
+        roots = [t for t in tensors(output) if t.requires_grad]
+        if self.recorder is not None:
+            self.recorder.forward_done(output)
+        elif self.meter is not None:
+            self.meter.leave(roots)
+        if not roots or _torch_private.queue_callback is None:
+            self.abandon("the forward gave nothing to backpropagate")
+            return
+        reached = functools.partial(_reached, weakref.ref(self))
+        for tensor in roots:
+            tensor.register_hook(functools.partial(reached, tensor.numel() == 1))
+
+    def reached(self, scalar: bool, grad: Any) -> None:
+        """The backward reached an output of the step: have it tell the step when it
+        ends. Reached first at an output other than a scalar, the loss was made outside
+        the model, where no meter counted it: the meter takes it in from here."""
+        if self.queued or self.ended:
+            return
+        self.queued = True
+        if not scalar and isinstance(grad, torch.Tensor):
+            if self.recorder is not None:
+                self.recorder.phases.loss_outside(grad)
+            elif self.meter is not None and self.meter.span is not None:
+                self.meter.span.loss_outside(grad)
+        _torch_private.queue_callback(self.end)  # type: ignore[misc]
 
 
 class PlanPerShape:
-    """Forward pre-hook of a model wrapped with a ``budget:`` policy: before each training
-    forward goes on, it asks the planner for the plan of that forward's inputs (measuring
-    costs on the first, a solve from then on) and switches the marks if the plan differs
-    from the one applied.
-
-    Switching only between forwards is safe for a backward still pending: each forward
-    captured the function and options it ran with, and its recomputation uses those.
-    """
+    """Forward pre-hook of a model wrapped with a ``budget:`` policy (see the module)."""
 
     def __init__(self, planner: ShapePlanner, unmeasured: Plan, follow_shapes: Optional[bool]) -> None:
         self.planner = planner
         self.unmeasured = unmeasured  # the selection the planner chooses among
         self.follow_shapes = follow_shapes
         self.applied: Optional[Plan] = None  # the plan whose modules this hook marked
+        self._observed = False  # whether the marks applied tell a recorder what they do
+        self._step: Optional[_Step] = None  # the step followed now
+        self._failed = False
+        self._solved = False  # whether a plan solved from costs was applied
+        self._overlapping = False  # a forward began while another's backward was pending
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_step"] = None
+        return state
 
     def __call__(self, model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
-        if not torch.is_grad_enabled() or not model.training:
-            return None  # not a training forward
+        training = torch.is_grad_enabled() and model.training
+        self._settle(training)
+        if not training:
+            return None
         if torch.compiler.is_compiling():  # (the planner measures eagerly, never traced)
             if self.applied is None:
-                # Traced for the first time: measure and plan eagerly, then trace on with
-                # the plan's marks. Compiled code keeps the plan it was traced with.
+                # Traced for the first time: measure on these inputs and plan eagerly, then
+                # trace on with the plan's marks. Compiled code keeps the plan it was traced with.
                 _plan_outside_graph(self, model, args, kwargs)
             return None
         if is_measuring():
             return None  # the planner's own run of the model
-        if self.applied is not None and self.follow_shapes is False:
+        if self.follow_shapes is False and self.applied is not None and self._solved:
             return None
-        self.plan(model, args, kwargs)
+        try:
+            self.step(model, args, kwargs)
+        except CheckpointConfigError:
+            raise
+        except Exception as error:  # noqa: BLE001 - a training forward never fails for want of a plan
+            self._fall_back(model, error)
         return None
 
-    def plan(self, model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
-        """Choose the plan for these inputs and switch the marks to it."""
+    # ------------------------------------------------------------------ each step
+
+    def step(self, model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        """Decide this training forward's plan, mark it, and start following the step."""
+        device = step_device(model, args, kwargs)
+        decision = self.planner.decide(
+            model, args, kwargs, fresh=_fresh(model), cheap_checks=device.type not in ("cpu", "meta")
+        )
+        if decision.measure and self._overlapping:
+            decision = dataclasses.replace(decision, measure=False)
+        if decision.measure:
+            recorder = StepRecorder(
+                model, _targets(model, self.planner.settings.names), device,
+                save_policy=self.planner.settings.save_policy, watch_base=self.planner.watch_base,
+            )
+            self._apply(model, self._least_memory(), decision, observer=recorder)
+            recorder.begin(args, kwargs)
+            self._follow(_Step(model, self.planner, decision, recorder=recorder))
+            return
+        meter = None
+        if decision.choice is None:  # a layout no longer measured: least memory, unmeasured
+            self._apply(model, self._least_memory(), decision)
+        else:
+            self._apply(model, measured(self.unmeasured, decision.choice), decision)
+            self._solved = True
+            if decision.check and not self._overlapping:
+                meter = SpanPeak(device, reset=decision.reset).start()
+        # Followed to the end even unmetered: a forward that comes before its backward
+        # must know this one's graph is still alive.
+        self._follow(_Step(model, self.planner, decision, meter=meter))
+
+    def _follow(self, step: "_Step") -> None:
+        self._step = step
+
+    def _settle(self, training: bool) -> None:
+        """Before a forward: take ended steps' meters off the stack; before a training
+        forward, a step whose backward never came is given up."""
+        step = self._step
+        self._overlapping = False
+        if step is not None and (step.ended or training):
+            if not step.ended:
+                # Its graph may still be alive (two forwards, then one backward): this
+                # forward's step would hold that one's activations too, so it is not measured.
+                self._overlapping = step.forward_done_
+                step.abandon("no backward came before the next training forward")
+            self._step = None
+
+    def _least_memory(self) -> Plan:
+        """Every outermost candidate checkpointed whole on the non-re-entrant engine: the
+        plan that holds the least between forward and backward, whose steps measure."""
+        kinds = dict(self.planner.settings.candidates)
+        entries = tuple(
+            PlanEntry(name, kinds[name], option="recompute" if self.unmeasured.tier == "recompute" else None)
+            for name in self.planner.settings.outermost
+        )
+        options = dataclasses.replace(self.unmeasured.options, use_reentrant=False)
+        return dataclasses.replace(
+            self.unmeasured, selected=entries, options=options, tier="recompute", pending=False,
+        )
+
+    def _apply(self, model: nn.Module, new: Plan, decision: Decision, observer: Any = None) -> None:
+        """Switch the marks to ``new`` (told to ``observer``), record it as the model's plan
+        and note a change."""
         record = model.__dict__.get(PLAN_ATTRIBUTE)
+        previous = self.applied
+        if isinstance(record, Plan) and not record.pending:
+            new = dataclasses.replace(new, policy=record.policy)
+        same = (
+            previous is not None and observer is None and not self._observed
+            and _same_marks(previous, new) and previous.options == new.options
+        )
+        if not same:
+            if previous is None and observer is None and not isinstance(record, Plan):
+                apply_plan(model, new)
+            else:
+                unmark(named(model, previous))
+                mark(model, new, observer)
+                setattr(model, PLAN_ATTRIBUTE, new)
+        else:
+            setattr(model, PLAN_ATTRIBUTE, new)
+        self.applied, self._observed = new, observer is not None
+        if same:
+            return
+        shapes = decision.describe()
+        if observer is not None:
+            note(
+                f"ckptwrap measures this training step of {type(model).__name__} at inputs of "
+                f"{shapes} under the plan of least memory ({len(new)} module(s) checkpointed)."
+            )
+            return
+        note(
+            f"ckptwrap applied {new.policy!r} for {type(model).__name__}'s inputs of {shapes}: "
+            f"{len(new)} module(s) checkpointed, {(new.predicted_peak or 0) / 2**20:.1f} MiB "
+            f"predicted at the training step's peak (model.ckptwrap_plan has the details)."
+        )
+
+    def _fall_back(self, model: nn.Module, error: Exception) -> None:
+        """Planning failed where it never should: this forward, and every later one, runs
+        under the plan of least memory, and the user is told once."""
+        if not self._failed:
+            self._failed = True
+            warn(
+                f"ckptwrap could not plan {self.unmeasured.policy!r} for {type(model).__name__} "
+                f"({type(error).__name__}: {error}); training goes on under the plan of least "
+                f"memory. Please report this."
+            )
+        self.follow_shapes = False
+        plan = self._least_memory()
+        unmark(named(model, self.applied))
+        mark(model, plan)
+        setattr(model, PLAN_ATTRIBUTE, plan)
+        self.applied, self._observed = plan, False
+        self._step = None
+
+    def plan(self, model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        """Plan on these inputs directly (measuring one step on them if their shape's costs
+        are not known) and switch the marks to it: how a compiled model plans."""
         previous = self.applied
         choice = self.planner.choose(
             model, args, kwargs, strict=False, around=functools.partial(_unmarked, model, previous)
         )
         new = measured(self.unmeasured, choice)
-        if previous is not None and _same_marks(previous, new):
-            self.applied = new
-            if isinstance(record, Plan) and not record.pending:
-                setattr(model, PLAN_ATTRIBUTE, dataclasses.replace(record, **_predictions(new)))
+        decision = Decision(None, (), measure=False, choice=choice)
+        self._apply(model, new, decision)
+        self._solved = True
+
+
+class StepEnd:
+    """Forward hook (always called) of a model wrapped with a ``budget:`` policy: once the
+    forward of a followed step returns, watch its outputs for the backward to reach them,
+    and then for the backward to end."""
+
+    def __init__(self, hook: PlanPerShape) -> None:
+        self.hook = hook
+
+    def __call__(self, model: nn.Module, args: Any, output: Any) -> None:
+        step = self.hook._step
+        if step is None or step.forward_done_ or step.ended:
             return None
-        if previous is None:
-            apply_plan(model, new)
-            self.applied = new
-        else:
-            unmark(named(model, previous))
-            self._mark_recorded(model, new, record)
-        shapes = self.planner.layout_of(args, kwargs) or "these inputs"
-        verb = "applied" if previous is None else "switched to"
-        note(
-            f"ckptwrap {verb} {new.policy!r} for {type(model).__name__}'s inputs of {shapes}: "
-            f"{len(new)} module(s) checkpointed, {(new.predicted_peak or 0) / 2**20:.1f} MiB "
-            f"predicted at the training step's peak (model.ckptwrap_plan has the details)."
-        )
+        step.forward_done(output)
         return None
 
-    def _mark_recorded(self, model: nn.Module, new: Plan, record: Any) -> None:
-        """Mark ``new``'s modules (this hook's old ones are unmarked) and record it as the
-        model's plan. No other wrapping marks this model (``wrap_model`` refuses a budget
-        beside another), so the plan is this hook's, under the policy recorded."""
-        mark(model, new)
-        self.applied = new
-        if isinstance(record, Plan) and not record.pending:
-            new = dataclasses.replace(new, policy=record.policy)
-        setattr(model, PLAN_ATTRIBUTE, new)
+
+def _reached(step_ref: "weakref.ref[_Step]", scalar: bool, grad: Any) -> None:
+    step = step_ref()
+    if step is not None:
+        step.reached(scalar, grad)
+    return None
+
+
+def _fresh(model: nn.Module) -> bool:
+    """Whether no parameter that trains holds a gradient (a step from fresh gradients)."""
+    return all(p.grad is None for p in model.parameters() if p.requires_grad)
+
+
+def _targets(model: nn.Module, names: List[str]) -> List[Tuple[str, nn.Module]]:
+    modules = dict(model.named_modules())
+    return [(name, modules[name]) for name in names if name in modules]
 
 
 def _plan_eagerly(hook: PlanPerShape, model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
@@ -107,8 +344,8 @@ _plan_outside_graph = outside_graph(_plan_eagerly, _COMPILE_NOTE)
 
 @contextlib.contextmanager
 def _unmarked(model: nn.Module, applied: Optional[Plan]) -> Iterator[None]:
-    """While the planner measures the model from inside its training forward: without the
-    marks of ``applied`` (costs are measured as the model runs unmarked), put back after.
+    """While the planner measures the model on given inputs from inside its forward:
+    without the marks of ``applied`` (the step measured marks its own), put back after.
 
     An FSDP2 model's own parameters are gathered again afterwards: FSDP2 gathered them
     before this hook ran, and the measured step's backward sharded them once more, so the
@@ -135,19 +372,19 @@ def _same_marks(old: Plan, new: Plan) -> bool:
     return marks(old) == marks(new)
 
 
-def _predictions(plan: Plan) -> Dict[str, Any]:
-    return {
-        "budget": plan.budget,
-        "activation_bytes": plan.activation_bytes,
-        "predicted_peak": plan.predicted_peak,
-        "plain_peak": plan.plain_peak,
-    }
-
-
 def remove_pending(model: nn.Module) -> None:
-    """Remove the hook that plans a ``budget:`` policy, with the costs and plans it keeps
-    (the modules it marked stay marked)."""
+    """Remove the hooks that plan a ``budget:`` policy, with the costs and plans they keep
+    (the modules marked stay marked)."""
     for key, hook in list(model._forward_pre_hooks.items()):
         if isinstance(hook, PlanPerShape):
             del model._forward_pre_hooks[key]
             model._forward_pre_hooks_with_kwargs.pop(key, None)
+            step = hook._step
+            if step is not None:
+                step.abandon("unwrapped")
+                hook._step = None
+    for key, hook in list(model._forward_hooks.items()):
+        if isinstance(hook, StepEnd):
+            del model._forward_hooks[key]
+            model._forward_hooks_with_kwargs.pop(key, None)
+            model._forward_hooks_always_called.pop(key, None)

@@ -5,7 +5,8 @@ a budget keeps; nothing in the model changes.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+import inspect
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -21,13 +22,14 @@ from ..planner import (
     PlanSettings,
     ShapePlanner,
     as_example,
+    read_layout,
 )
 from ._forwards import marking
 from ..engine import CheckpointOptions, options_from
 from ._selective import SelectiveContexts
 from ._wrapper import refuse_torchscript
 
-__all__ = ["measured", "plan", "plan_and_profile", "refuse_inference", "shape_planner"]
+__all__ = ["check_max_shapes", "measured", "plan", "plan_and_profile", "refuse_inference", "shape_planner"]
 
 
 def plan(
@@ -117,6 +119,7 @@ def plan_and_profile(
         )
     planner = shape_planner(model, policy, unmeasured, budget, loss_fn, max_shapes)
     args, kwargs = as_example(example_inputs, example_kwargs)
+    check_max_shapes(model, max_shapes, (args, kwargs))
     refuse_inference(budget, unmeasured, args, kwargs)
     if profile is not None and _serves(profile, unmeasured.names, budget, planner.settings.save_policy):
         planner.seed(args, kwargs, profile)
@@ -131,7 +134,6 @@ def shape_planner(
     budget: Optional[Budget],
     loss_fn: Optional[Callable[[Any], Any]],
     max_shapes: Optional[Mapping[Any, Sequence[int]]],
-    agree: Optional[Callable[[Any], Any]] = None,
 ) -> ShapePlanner:
     """The planner of ``unmeasured``'s candidates, as ``policy`` allows it to checkpoint
     them."""
@@ -140,11 +142,7 @@ def shape_planner(
             f"loss_fn must be a callable loss_fn(output) -> loss tensor, got "
             f"{type(loss_fn).__name__} {loss_fn!r}."
         )
-    if max_shapes is not None and not isinstance(max_shapes, Mapping):
-        raise CheckpointConfigError(
-            f"max_shapes must map an input's keyword (or position, an int) to its largest "
-            f"shape, such as {{'input_ids': (8, 1024)}}; got {type(max_shapes).__name__}."
-        )
+    check_max_shapes(model, max_shapes)
     options = unmeasured.options
     context_fn = options.context_fn
     settings = PlanSettings(
@@ -158,9 +156,72 @@ def shape_planner(
         preserve_rng_state=options.preserve_rng_state,
         loss_fn=loss_fn,
     )
-    return ShapePlanner(
-        settings, max_shapes=dict(max_shapes) if max_shapes else None, agree=agree
-    )
+    return ShapePlanner(settings, max_shapes=dict(max_shapes) if max_shapes else None)
+
+
+def check_max_shapes(model: nn.Module, max_shapes: Any, example: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]] = None) -> None:
+    """Refuse a ``max_shapes`` that cannot describe this model's inputs: not a mapping, a
+    key its forward does not take, a shape that is not positive whole sizes; with
+    ``example`` inputs, a key that is not one tensor of theirs or a shape of another rank.
+
+    Raises:
+        CheckpointConfigError: Naming the key and the value, and what is allowed.
+    """
+    if max_shapes is None:
+        return
+    if not isinstance(max_shapes, Mapping):
+        raise CheckpointConfigError(
+            f"max_shapes must map an input's keyword (or position, an int) to its largest "
+            f"shape, such as {{'input_ids': (8, 1024)}}; got {type(max_shapes).__name__}."
+        )
+    keywords, positions = _forward_parameters(model)
+    for key, shape in max_shapes.items():
+        if isinstance(key, bool) or not isinstance(key, (str, int)):
+            raise CheckpointConfigError(
+                f"max_shapes keys are the forward's keyword names or positions (ints); got "
+                f"{key!r} ({type(key).__name__})."
+            )
+        if isinstance(key, str) and keywords is not None and key not in keywords:
+            raise CheckpointConfigError(
+                f"max_shapes names {key!r}, which {type(model).__name__}.forward does not take; "
+                f"its arguments are {', '.join(sorted(keywords)) or 'none'}."
+            )
+        if isinstance(key, int) and (key < 0 or (positions is not None and key >= positions)):
+            raise CheckpointConfigError(
+                f"max_shapes names position {key}, but {type(model).__name__}.forward takes "
+                f"{positions} positional argument(s) (positions 0 to {max(0, (positions or 0) - 1)})."
+            )
+        sizes = tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else None
+        if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
+            raise CheckpointConfigError(
+                f"max_shapes[{key!r}] must be a shape of whole sizes of at least 1, such as "
+                f"(8, 1024); got {shape!r}."
+            )
+    if example is not None:
+        read_layout(*example).declared(max_shapes)
+
+
+def _forward_parameters(model: nn.Module) -> Tuple[Optional[Set[str]], Optional[int]]:
+    """The keyword names and the number of positional arguments the model's forward takes;
+    None for either where it takes any (``**kwargs``, ``*args``) or cannot be read."""
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return None, None
+    kinds = inspect.Parameter
+    names: Optional[Set[str]] = set()
+    positions: Optional[int] = 0
+    for parameter in signature.parameters.values():
+        if parameter.kind is kinds.VAR_KEYWORD:
+            names = None
+        elif parameter.kind is kinds.VAR_POSITIONAL:
+            positions = None
+        else:
+            if names is not None and parameter.kind is not kinds.POSITIONAL_ONLY:
+                names.add(parameter.name)
+            if positions is not None and parameter.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD):
+                positions += 1
+    return names, positions
 
 
 def measured(unmeasured: Plan, choice: Choice) -> Plan:

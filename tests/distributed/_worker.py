@@ -5,23 +5,25 @@ Run as a script, once per rank, by ``test_parallel.py`` (the environment carries
 
     python _worker.py SCENARIOS_JSON OUTPUT_DIR
 
-For the ``plan`` scenario it records the budget plans the rank makes alone and applies
-with the others. For each other scenario it builds the tiny GPT from the same seed, marks it with ``wrap_model``,
+For the ``mismatched-*`` scenarios it trains a lazy budget on batches whose shape and
+layout differ between the ranks (``mismatched``). For each other scenario it builds the
+tiny GPT from the same seed, marks it with ``wrap_model``,
 wraps it in DDP or shards it with FSDP2, trains on this rank's half of each global batch
 and saves the full parameters (or the error raised) to ``OUTPUT_DIR/rank{RANK}.pt``.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import datetime
 import gc
 import json
 import os
 import sys
 import traceback
-import warnings
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict
 
 import torch
 import torch.distributed as dist
@@ -34,6 +36,7 @@ import ckptwrap  # noqa: E402
 from _dist_setup import (  # noqa: E402
     CONFIG, GLOBAL_BATCH, STEPS, build_model, make_optimizer, synthetic_batch,
 )
+from gpt import GPT, GPTConfig  # noqa: E402
 
 
 def train(scenario: Dict[str, Any], rank: int, world: int) -> Dict[str, Any]:
@@ -81,37 +84,73 @@ def train(scenario: Dict[str, Any], rank: int, world: int) -> Dict[str, Any]:
     return {"wrapped": len(model.ckptwrap_plan), "params": params}
 
 
-def budget_plans(rank: int) -> Dict[str, Any]:
-    """The budget plans this rank makes on its own batch and on a batch every rank shares.
-
-    Each rank first plans on its own share of the batch, twice as large on rank 1 as on
-    rank 0, under one absolute budget that rank 0 meets with nothing checkpointed and rank
-    1 does not: each rank plans for its own shape. The ranks agree on the measured costs,
-    so a batch both then see gets the same plan on both, from rank 0's costs (their time
-    rates, which differ between ranks otherwise, say whose).
-    """
-    model = build_model("gpt")
-    reference = ckptwrap.plan(model, "blocks", example_inputs=synthetic_batch(CONFIG, 2, seed=0))
-    budget = f"budget:{reference.plain_peak * 13 // 10 // 1024}KiB;recompute"
-    mine = synthetic_batch(CONFIG, 2 * (rank + 1), seed=rank)
-    shared = synthetic_batch(CONFIG, 3, seed=7)
-    result: Dict[str, Any] = {"own": ckptwrap.plan(model, budget, example_inputs=mine).names}
-    eager = ckptwrap.wrap_model(build_model("gpt"), budget, example_inputs=mine)
-    lazy = ckptwrap.wrap_model(build_model("gpt"), budget)
-    lazy(*mine).backward()
-    for path, wrapped in (("eager", eager), ("lazy", lazy)):
-        result[path] = wrapped.ckptwrap_plan.names
-        wrapped(*shared).backward()
-        result[f"{path} shared"] = wrapped.ckptwrap_plan.names
-        result[f"{path} rates"] = _rates(wrapped)
-    return result
+SHAPES = {
+    0: [(1, 64), (2, 16), (1, 64), (2, 16), (3, 48), (2, 16), (1, 64)],
+    1: [(4, 200), (4, 120), (4, 200), (4, 120), (2, 200), (4, 200), (4, 120)],
+}
+"""Per rank, each step's (batch, length): the ranks' first batches differ in layout (a
+batch of one has no batch variable) and in shape, and so do all later ones; each rank
+meets its shapes again, so that it plans some steps from what it measured."""
+LONG = GPTConfig(vocab=64, width=32, heads=2, layers=4, seq_len=256, dropout=0.0)
 
 
-def _rates(model: Any) -> List[float]:
-    """The time rates of the costs the model's budget plans are made from."""
+def ranks_batch(rank: int, step: int) -> Any:
+    rows, length = SHAPES[rank][step]
+    return synthetic_batch(dataclasses.replace(LONG, seq_len=length), rows, seed=100 * step + rank)
+
+
+def mismatched(strategy: str, rank: int) -> Dict[str, Any]:
+    """A lazy budget under DDP or FSDP2 where the ranks' batches differ in layout and
+    shape from the first step on: each rank learns from its own steps, with no collective
+    of the planner's, so none waits on another. Every step is read at the CPU allocator
+    (``torch.profiler``'s memory events, around zero_grad, forward and backward)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def allocator_peak(step: Any) -> int:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            step()
+        events = sorted(
+            (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+            key=lambda e: e.start_ns(),
+        )
+        live = peak = 0
+        for event in events:
+            live += event.nbytes()
+            peak = max(peak, live)
+        return peak
+
+    torch.manual_seed(0)
+    model = GPT(LONG)
+    plain = copy.deepcopy(model)
+    example = synthetic_batch(dataclasses.replace(LONG, seq_len=200), 4, seed=0)
+    budget = ckptwrap.plan(copy.deepcopy(model), "blocks", example_inputs=example).plain_peak // 2
+    ckptwrap.wrap_model(model, f"budget:{budget}B")
+    if strategy == "ddp":
+        runner = DistributedDataParallel(model)
+    else:
+        for block in model.blocks:
+            fully_shard(block)
+        runner = fully_shard(model)
+    optimizer = make_optimizer(model)
+    steps = []
+    for step in range(len(SHAPES[rank])):
+        tokens, targets = ranks_batch(rank, step)
+
+        def run() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            runner(tokens, targets).backward()
+
+        peak = allocator_peak(run)
+        optimizer.step()
+        plain.zero_grad(set_to_none=True)
+        plain_peak = allocator_peak(lambda: plain(tokens, targets).backward())
+        steps.append({"peak": peak, "plain": plain_peak, "checkpointed": len(model.ckptwrap_plan)})
     hook = next(h for h in model._forward_pre_hooks.values() if hasattr(h, "planner"))
-    fit = hook.planner._layouts[0].fit
-    return [timing.rate for _, timing in sorted(fit._timings.items())]
+    params = {
+        name: (param.full_tensor() if hasattr(param, "full_tensor") else param).detach().clone()
+        for name, param in model.named_parameters()
+    }
+    return {"budget": budget, "steps": steps, "measured": hook.planner.measurements, "params": params}
 
 
 def main() -> None:
@@ -124,8 +163,8 @@ def main() -> None:
     try:
         for scenario in scenarios:
             try:
-                if scenario["strategy"] == "plan":
-                    results[scenario["name"]] = budget_plans(rank)
+                if scenario["strategy"].startswith("mismatched-"):
+                    results[scenario["name"]] = mismatched(scenario["strategy"].split("-")[1], rank)
                 else:
                     results[scenario["name"]] = train(scenario, rank, world)
             except Exception:  # reported by the test; the next scenario still runs

@@ -130,7 +130,9 @@ def test_a_budget_row_counts_the_modules_its_applied_plan_checkpoints(train_gpt,
     trainer = train_gpt.Trainer("budget:80%", train_gpt.GPT(config), setting)
     tokens, targets = train_gpt.synthetic_batch(config, 2, seed=0)
     with caplog.at_level(logging.INFO, logger="ckptwrap"):
-        trainer.step(tokens, targets, seed=0, measure=True)  # the plan is applied here
+        trainer.step(tokens, targets, seed=0, measure=True)  # measured, as the plan of least memory
+        assert trainer.result.wrapped == config.layers
+        trainer.step(tokens, targets, seed=1, measure=False)  # the plan is applied here
     assert "ckptwrap applied 'budget:80%' for GPT's inputs" in caplog.text
     checkpointed = [name for name, m in trainer.model.named_modules() if "forward" in m.__dict__]
     assert 0 < len(checkpointed) < config.layers  # the budget leaves some blocks alone

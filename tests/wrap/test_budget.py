@@ -224,7 +224,7 @@ def test_budget_wrapped_model_has_the_plain_gradients(use_reentrant):
     assert_same(grads(model), grads(plain), "gradients")
 
 
-def test_without_example_inputs_the_first_training_forward_measures_and_applies(caplog):
+def test_without_example_inputs_the_first_training_step_measures_then_plans(caplog):
     plain = _model()
     model = wrap_model(copy.deepcopy(plain), _in_reach(plain))
     assert model.ckptwrap_plan.pending and marked(model) == []
@@ -233,11 +233,21 @@ def test_without_example_inputs_the_first_training_forward_measures_and_applies(
     assert model.ckptwrap_plan.pending
     with caplog.at_level(logging.INFO, logger="ckptwrap"):
         loss = step(model, gpt_loss, gpt_batch())
+    assert [r.getMessage() for r in caplog.records if "measures this training step" in r.getMessage()], caplog.text
+    # The step that measured ran under the plan of least memory, and trained correctly.
+    measured_step = model.ckptwrap_plan
+    assert not measured_step.pending and measured_step.budget is not None
+    assert marked(model) == measured_step.names == [f"h.{i}" for i in range(6)]
+    assert_same({"loss": loss}, {"loss": step(plain, gpt_loss, gpt_batch())})
+    assert_same(grads(model), grads(plain), "gradients")
+    # The next step at that shape runs under the plan solved from what it measured.
+    with caplog.at_level(logging.INFO, logger="ckptwrap"):
+        loss = step(model, gpt_loss, gpt_batch())
+    assert [r.getMessage() for r in caplog.records if "measured a training step" in r.getMessage()], caplog.text
     assert [r.getMessage() for r in caplog.records if "applied" in r.getMessage()], caplog.text
     applied = model.ckptwrap_plan
-    assert not applied.pending and applied.predicted_peak <= applied.budget
+    assert applied.predicted_peak <= applied.budget
     assert marked(model) == applied.names and applied.names
-    # The very step that measured already trained correctly.
     assert_same({"loss": loss}, {"loss": step(plain, gpt_loss, gpt_batch())})
     assert_same(grads(model), grads(plain), "gradients")
     caplog.clear()
@@ -247,18 +257,25 @@ def test_without_example_inputs_the_first_training_forward_measures_and_applies(
     assert not caplog.records, caplog.text
 
 
-def test_a_budget_out_of_reach_in_training_is_said_once_at_the_callers_line():
+def test_a_budget_out_of_reach_in_training_is_said_at_the_callers_line_once_per_shape():
     model = _model()
     wrap_model(model, "budget:1%")
+    step(model, gpt_loss, gpt_batch())  # measured, under the plan of least memory
     with pytest.warns(UserWarning, match="no plan fits budget:1%.*plan of least memory") as record:
-        model(gpt_batch()[0])
+        model(gpt_batch()[0]).sum().backward()
     # Not a line of torch's Module.__call__, which runs the hook, nor one of ckptwrap's.
     assert [w.filename for w in record] == [__file__]
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # said once
+        warnings.simplefilter("error")  # said once while the shape stays
         step(model, gpt_loss, gpt_batch())
     lowest = model.ckptwrap_plan
     assert lowest.names and lowest.predicted_peak > lowest.budget
+    short = (gpt_batch()[0][:, :5], gpt_batch()[1][:, :5])
+    step(model, gpt_loss, short)  # measured
+    with pytest.warns(UserWarning, match="no plan fits budget:1%.*length 5"):
+        step(model, gpt_loss, short)  # said again: the shape changed
+    with pytest.warns(UserWarning, match="no plan fits budget:1%.*length 8"):
+        step(model, gpt_loss, gpt_batch())
 
 
 def test_pending_plans_pickle_and_unwrap():
