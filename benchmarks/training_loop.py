@@ -13,9 +13,9 @@ Two passes over the same batches:
 - **time**: the policies take turns step by step (the order rotating each step) and
   nothing is measured but time. "total s" is a policy's summed step time, planning
   included; "vs blocks" is it over ``blocks``'s (target: at most 1.10 for the budget rows).
-  "measure s" is the time its planner spent measuring (the first forward's profiles at
-  small shapes and the step that checks them), "solves" how many shapes it then planned by
-  a solve alone and their median and longest time.
+  "measured" counts the steps its planner measured (each ran under the plan of least
+  memory, metered), "checked" the steps metered against their prediction, "solves" the
+  steps planned by a solve, with the median and longest time a plan took.
 - **memory**: every step of the budget rows and of ``none`` runs under an allocator meter
   (``torch.profiler``'s memory events). "worst over" is the largest step peak above the
   budget at that step, planning steps included, in % of ``none``'s step peak at the
@@ -50,30 +50,29 @@ _LR = 1e-3
 
 
 class _Timed:
-    """Times every call of ``ShapePlanner.choose``, and whether it measured."""
+    """Times every call of ``ShapePlanner.decide``, and whether it measured or checked."""
 
     def __init__(self) -> None:
-        self.calls: Dict[int, List[Tuple[float, bool]]] = {}
-        self._original = ShapePlanner.choose
+        self.calls: Dict[int, List[Tuple[float, str]]] = {}
+        self._original = ShapePlanner.decide
 
     def __enter__(self) -> "_Timed":
         timed = self
 
-        def choose(planner: ShapePlanner, *args: Any, **kwargs: Any) -> Any:
-            before, start = planner.measurements, time.perf_counter()
-            try:
-                return timed._original(planner, *args, **kwargs)
-            finally:
-                record = timed.calls.setdefault(id(planner), [])
-                record.append((time.perf_counter() - start, planner.measurements != before))
+        def decide(planner: ShapePlanner, *args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            decision = timed._original(planner, *args, **kwargs)
+            kind = "measured" if decision.measure else "checked" if decision.check else "solved"
+            timed.calls.setdefault(id(planner), []).append((time.perf_counter() - start, kind))
+            return decision
 
-        ShapePlanner.choose = choose  # type: ignore[method-assign]
+        ShapePlanner.decide = decide  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        ShapePlanner.choose = self._original  # type: ignore[method-assign]
+        ShapePlanner.decide = self._original  # type: ignore[method-assign]
 
-    def of(self, model: torch.nn.Module) -> List[Tuple[float, bool]]:
+    def of(self, model: torch.nn.Module) -> List[Tuple[float, str]]:
         hook = next(h for h in model._forward_pre_hooks.values() if hasattr(h, "planner"))
         return self.calls.get(id(hook.planner), [])
 
@@ -148,17 +147,17 @@ def memory_pass(loop: LoopModel, policies: Sequence[str], drawn: Sequence[int], 
     }
 
 
-def _plans(calls: List[Tuple[float, bool]]) -> Tuple[float, int, str]:
-    measured = sum(seconds for seconds, did in calls if did)
-    solves = [seconds for seconds, did in calls if not did]
+def _plans(calls: List[Tuple[float, str]]) -> Tuple[int, int, int, str]:
+    kinds = [kind for _, kind in calls]
+    solves = [seconds for seconds, kind in calls if kind != "measured"]
     shown = f"{1e3 * statistics.median(solves):.1f} / {1e3 * max(solves):.1f}" if solves else "-"
-    return measured, len(solves), shown
+    return kinds.count("measured"), kinds.count("checked"), len(solves), shown
 
 
 def report(loop: LoopModel, timing: Dict[str, Any], memory: Dict[str, Any], steps: int) -> bool:
     totals = timing["totals"]
     print(f"\n{loop.name}: {steps} steps; plain step peak at the longest length {memory['plain'] / 2**20:.1f} MiB")
-    header = f"{'policy':<22}{'total s':>9}{'vs blocks':>11}{'measure s':>11}{'solves':>8}{'solve ms med/max':>18}{'worst over':>12}{'steps over':>12}{'grads':>7}"
+    header = f"{'policy':<22}{'total s':>9}{'vs blocks':>11}{'measured':>10}{'checked':>9}{'solves':>8}{'plan ms med/max':>17}{'worst over':>12}{'steps over':>12}{'grads':>7}"
     print(header)
     print("-" * len(header))
     ok = True
@@ -166,9 +165,9 @@ def report(loop: LoopModel, timing: Dict[str, Any], memory: Dict[str, Any], step
         ratio = total / totals["blocks"]
         row = f"{policy:<22}{total:>9.2f}{ratio:>11.3f}"
         if policy in timing["plans"]:
-            measured, solves, shown = _plans(timing["plans"][policy])
+            measured, checked, solves, shown = _plans(timing["plans"][policy])
             worst = memory["worst"][policy]
-            row += f"{measured:>11.2f}{solves:>8}{shown:>18}{100 * worst:>11.1f}%{memory['over'][policy]:>12}"
+            row += f"{measured:>10}{checked:>9}{solves:>8}{shown:>17}{100 * worst:>11.1f}%{memory['over'][policy]:>12}"
             row += f"{'yes' if memory['equal'][policy] else 'NO':>7}"
             ok &= ratio <= TIME_TARGET and worst <= OVER_TARGET and memory["equal"][policy]
         print(row)

@@ -25,6 +25,7 @@ from .planner import (
     region_bytes,
     smallest_reachable_peak,
     solve_budget,
+    step_device,
     step_items,
 )
 from .wrap import plan
@@ -92,7 +93,7 @@ def pareto_points(
                 f"to profile here"
             )
     ordered, _, tail = step_items(
-        profile, names, segments=True, region_bytes=region_bytes(model, tuple(inputs), {})
+        profile, names, segments=True, region_bytes=region_bytes(step_device(model, tuple(inputs), {}))
     )
     names = [name for name, _ in ordered]
     items = [item for _, item in ordered]

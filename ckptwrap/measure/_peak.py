@@ -16,9 +16,9 @@ from typing import Any, Dict, Iterator, List, Set
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from .._errors import CheckpointConfigError
+from ._storages import tensors
 from ._workspace import run_held
 
 __all__ = ["PeakMemory", "StorageCounter", "measure_peak"]
@@ -204,6 +204,12 @@ class StorageCounter(TorchDispatchMode):
         # the stack never keeps a frame from compiling); compiled code's operators count.
         return True
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Nothing here is ever compiled: no wrapper to disable the compiler around every
+        # operator (which would cost more than counting it).
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
         kwargs = kwargs or {}
         if self._closed:
@@ -268,7 +274,7 @@ class StorageCounter(TorchDispatchMode):
 
     def _count_outputs(self, out: Any, args: Any, kwargs: Any) -> None:
         input_keys: Set[int] | None = None
-        for leaf in (out,) if isinstance(out, torch.Tensor) else tree_leaves(out):
+        for leaf in _leaves(out):
             storage = self._storage_of(leaf)
             if storage is None:
                 continue
@@ -314,7 +320,10 @@ class StorageCounter(TorchDispatchMode):
 
     def _storage_of(self, value: Any) -> torch.UntypedStorage | None:
         """The storage behind ``value`` if it is a dense tensor on the measured device."""
-        if not isinstance(value, torch.Tensor) or value.device.type != self._device_type:
+        if not isinstance(value, torch.Tensor):
+            return None
+        on_device = value.is_cpu if self._device_type == "cpu" else value.device.type == self._device_type
+        if not on_device:
             return None
         try:
             # Empty storages are kept too: an ``out=`` operator may grow one later.
@@ -326,10 +335,17 @@ class StorageCounter(TorchDispatchMode):
     def _input_keys(self, args: Any, kwargs: Any) -> Set[int]:
         """Keys of the storages of every tensor among the operator's inputs."""
         keys = set()
-        for leaf in tree_leaves((args, kwargs)):
+        for leaf in (*_leaves(args), *_leaves(kwargs)):
             if isinstance(leaf, torch.Tensor):
                 try:
                     keys.add(leaf.untyped_storage()._cdata)
                 except (RuntimeError, NotImplementedError, TypeError):
                     pass
         return keys
+
+
+def _leaves(value: Any) -> Any:
+    """The tensors among an operator's arguments or outputs."""
+    if isinstance(value, torch.Tensor):
+        return (value,)
+    return tensors(value)

@@ -54,6 +54,20 @@ def tensor_storages(tensor: torch.Tensor) -> Iterator[torch.UntypedStorage]:
 
 def tensors(value: Any) -> List[torch.Tensor]:
     """The tensors among the leaves of a nested structure, in order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        # An operator's arguments: tensors, numbers and lists of them, without the
+        # general tree walk (it runs for every operator a meter sees).
+        found: List[torch.Tensor] = []
+        for item in value:
+            if isinstance(item, torch.Tensor):
+                found.append(item)
+            elif isinstance(item, (list, tuple, dict)):
+                found.extend(tensors(item))
+        return found
+    if type(value) is dict:
+        return tensors(list(value.values()))
     return [leaf for leaf in tree_flatten(value)[0] if isinstance(leaf, torch.Tensor)]
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -58,7 +59,9 @@ class CallBook:
         self._ledger = InputLedger(self.excluded, self.base, self.order)
         self.stack: List[Call] = []
         self._positions = 0  # outermost candidate calls so far
-        self._last_output: Optional[Tuple[Record, torch.Tensor]] = None
+        # The last outermost call's output, held weakly: the step keeps it alive only as
+        # long as the model's forward does.
+        self._last_output: Optional[Tuple[Record, "weakref.ref[torch.Tensor]"]] = None
         self._bar = bar
         self._seen: set = set()
 
@@ -141,7 +144,7 @@ class CallBook:
         for tensor in outputs:
             if tally.holds(tensor):
                 self._hand_over(tensor, record)
-        self._last_output = (record, output) if isinstance(output, torch.Tensor) else None
+        self._last_output = (record, weakref.ref(output)) if isinstance(output, torch.Tensor) else None
 
     def _note_join(self, record: Record, args: Any, kwargs: Any, saved: List[torch.Tensor]) -> None:
         """Whether this call continues a chain: its only input is the output the previous
@@ -154,7 +157,7 @@ class CallBook:
             and previous[0].calls == 1
             and not kwargs
             and len(args) == 1
-            and args[0] is previous[1]
+            and args[0] is previous[1]()
         )
         if not record.joins_previous:
             return

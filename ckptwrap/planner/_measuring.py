@@ -5,8 +5,8 @@ may stand for shapes not measured, and the margin the closed loop added.
 A fit is trusted once it has predicted a measured step it was not fitted on, within
 ``_TRUST_UNDER`` (too low) and ``_TRUST_OVER`` (too high) of that step's peak, and then
 only where the measured shapes determine it (``CostFit.identifies``: a batch measured at
-one size says nothing of another) and near them: from half the smallest to a quarter
-past the largest size of each variable. A checked step above its prediction adds that
+one size says nothing of another) and up to a quarter past the largest size of each
+variable measured. A checked step above its prediction adds that
 share of the un-checkpointed peak as a margin; a large miss at a fitted shape has that
 shape measured again.
 
@@ -20,12 +20,11 @@ import collections
 import contextlib
 import contextvars
 import dataclasses
+import functools
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
-from torch import nn
 
-from ..measure import tensors
 from ..policy import Budget
 from ._module_costs import ModelProfile
 from ._fit import CostFit, ShapesDiffer
@@ -40,9 +39,9 @@ _TRUST_UNDER = 0.02
 still be trusted."""
 _TRUST_OVER = 0.10
 """How far above it."""
-_SHRINK, _EXTEND = 0.5, 1.25
-"""A trusted fit stands for sizes from this share of the smallest measured to this
-multiple of the largest."""
+_EXTEND = 1.25
+"""A trusted fit stands for sizes up to this multiple of the largest measured (any smaller
+size: costs there are smaller, and a miss is caught by the checks)."""
 _KEPT = 12
 """Measured profiles kept per layout: the extremes of each variable and the most recent."""
 _REMEASURE = 0.03
@@ -145,7 +144,7 @@ class LayoutCosts:
             return False
         for index, size in enumerate(sizes):
             seen = [point[index] for point in fit.points]
-            if not min(seen) * _SHRINK <= size <= max(seen) * _EXTEND:
+            if size > max(seen) * _EXTEND:
                 return False
         return fit.identifies(sizes)
 
@@ -276,11 +275,15 @@ def _peak(profile: ModelProfile) -> int:
     return profile.step.total if profile.step is not None else profile.total_activation_bytes
 
 
-def region_bytes(model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any], preserve_rng_state: bool = True) -> int:
+def region_bytes(device: torch.device, preserve_rng_state: bool = True) -> int:
     """What the engine keeps per checkpointed call besides its inputs, in the memory the
-    budget caps: on the CPU, the generator state it replays (an accelerator's is kept in
-    host memory)."""
-    if not preserve_rng_state:
+    budget caps of a step on ``device``: on the CPU, the generator state it replays (an
+    accelerator's is kept in host memory)."""
+    if not preserve_rng_state or device.type != "cpu":
         return 0
-    on_cpu = all(t.device.type == "cpu" for t in [*tensors((args, kwargs)), *model.parameters()])
-    return torch.get_rng_state().untyped_storage().nbytes() if on_cpu else 0
+    return _generator_state_bytes()
+
+
+@functools.lru_cache(maxsize=1)
+def _generator_state_bytes() -> int:
+    return torch.get_rng_state().untyped_storage().nbytes()

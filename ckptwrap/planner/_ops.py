@@ -11,6 +11,7 @@ the one a selective policy sees in a checkpointed call of the same module.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import defaultdict
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -61,6 +62,7 @@ class OpCost:
         return dataclasses.asdict(self)
 
 
+@functools.lru_cache(maxsize=None)
 def packet_name(func: Any) -> str:
     """The name of an operator's overload packet: how profiler and selective policy name
     an operator, so that their numbering agrees."""
@@ -70,6 +72,14 @@ def packet_name(func: Any) -> str:
 
 class _Counted(TorchDispatchMode):
     """Runs every operator, numbering each call per packet as selective checkpointing does."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # never compiled: no wrapper around every operator
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
 
     def __init__(self) -> None:
         super().__init__()
@@ -151,19 +161,24 @@ class _Saved:
 
 def _written(func: Any, args: Any, kwargs: Dict[str, Any]) -> List[torch.Tensor]:
     """The tensor arguments ``func`` writes into (in-place and ``out=`` operators)."""
-    schema = getattr(func, "_schema", None)
-    if schema is None or not schema.is_mutable:
-        return []
     written = []
-    for position, argument in enumerate(schema.arguments):
-        if argument.alias_info is None or not argument.alias_info.is_write:
-            continue
-        if argument.kwarg_only or position >= len(args):
-            value = kwargs.get(argument.name)
-        else:
-            value = args[position]
+    for position, name in _writes(func):
+        value = kwargs.get(name) if position is None or position >= len(args) else args[position]
         written += tensors(value)
     return written
+
+
+@functools.lru_cache(maxsize=None)
+def _writes(func: Any) -> Tuple[Tuple[Optional[int], str], ...]:
+    """(position, or None for keyword-only, and name) of each argument ``func`` writes into."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return ()
+    return tuple(
+        (None if argument.kwarg_only else position, argument.name)
+        for position, argument in enumerate(schema.arguments)
+        if argument.alias_info is not None and argument.alias_info.is_write
+    )
 
 
 def _flops(func: Any, out: Any, args: Any, kwargs: Dict[str, Any]) -> int:

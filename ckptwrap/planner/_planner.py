@@ -24,6 +24,7 @@ import dataclasses
 import pickle
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
+import torch
 from torch import nn
 
 from .._errors import CheckpointConfigError
@@ -32,7 +33,8 @@ from ..policy import Budget
 from ._choose import Choice, choose, plain_peak
 from ._measuring import LayoutCosts, Layouts, PlanSettings, measuring, region_bytes
 from ._module_costs import ModelProfile
-from ._profile import _resolve_targets, measure_inputs
+from ._profile import _resolve_targets, measure_inputs, step_device
+from ._schedule import CheckSchedule
 from ._solver import PercentBudget
 from ._timing import dispatch_cost, selective_cost
 
@@ -45,8 +47,6 @@ _CACHED = 64
 _MISS = 0.01
 """A checked step above its prediction by more than this share of the un-checkpointed
 peak is a miss."""
-_LONGEST_INTERVAL = 8
-"""After checks that hit, the next is at most this many training steps later."""
 
 
 @dataclasses.dataclass
@@ -69,6 +69,8 @@ class Decision:
     without a reset could not tell)."""
     region: int = 0
     """Bytes the engine keeps per checkpointed call besides its inputs (``region_bytes``)."""
+    margin: float = 0.0
+    """The share of the un-checkpointed peak the plan kept free beyond its prediction."""
 
     def describe(self) -> str:
         if self.costs is None:
@@ -105,9 +107,8 @@ class ShapePlanner:
         """How many steps were checked against their prediction."""
         self._layouts = Layouts(self._forget_plans)
         self._plans: "collections.OrderedDict[Tuple[Any, ...], Choice]" = collections.OrderedDict()
-        self._steps = 0
-        self._interval = 1
-        self._next_check = 0
+        self._plain: Dict[Tuple[Any, ...], int] = {}  # un-checkpointed peaks, beside the plans
+        self._schedule = CheckSchedule()
         self._reset = False
         self._unreachable: Optional[Tuple[Any, ...]] = None
         # Steps measured whose profiles are taken in at the next plan: fitting allocates,
@@ -128,7 +129,7 @@ class ShapePlanner:
         # inputs after unpickling use the default loss.
         self._take_in()
         state = dict(self.__dict__)
-        state["_plans"] = collections.OrderedDict()
+        state["_plans"], state["_plain"] = collections.OrderedDict(), {}
         try:
             pickle.dumps(self.settings.loss_fn)
         except Exception:  # noqa: BLE001 - whatever stops it pickling, leave it out
@@ -143,16 +144,19 @@ class ShapePlanner:
         args: Tuple[Any, ...],
         kwargs: Dict[str, Any],
         *,
-        fresh: bool = True,
-        cheap_checks: bool = False,
+        device: Optional[torch.device] = None,
+        fresh: Callable[[], bool] = lambda: True,
     ) -> Decision:
-        """What the training forward on these inputs runs under. ``fresh``: the step
-        starts from no parameter gradients (only such a step is checked); ``cheap_checks``:
-        metering a step costs nothing (an accelerator's peak statistics)."""
-        self._steps += 1
+        """What the training forward on these inputs runs under, on ``device`` (where the
+        step allocates; read from the inputs and the model by default). ``fresh()``: the
+        step starts from no parameter gradients (only such a step is checked). Metering
+        a step on an accelerator costs nothing (its peak statistics): every one is checked
+        there."""
+        self._schedule.step()
         self._take_in()
+        device = step_device(model, args, kwargs) if device is None else device
         costs, sizes = self._layouts.of(args, kwargs)
-        region = region_bytes(model, args, kwargs, self.settings.preserve_rng_state)
+        region = region_bytes(device, self.settings.preserve_rng_state)
         if costs.given_up:
             return Decision(costs, sizes, measure=False, region=region)
         known = costs.costs_at(sizes)
@@ -160,11 +164,11 @@ class ShapePlanner:
             return Decision(costs, sizes, measure=True, region=region)
         profile, source = known
         choice = self._choice(costs, sizes, profile, region, strict=False, model=model)
-        check = fresh and (cheap_checks or self._steps >= self._next_check)
+        check = self._schedule.due(cheap=device.type not in ("cpu", "meta")) and fresh()
         reset, self._reset = self._reset and check, self._reset and not check
         return Decision(
             costs, sizes, measure=False, choice=choice, source=source, check=check, reset=reset,
-            region=region,
+            region=region, margin=costs.margin,
         )
 
     def learned(self, decision: Decision, profile: Optional[ModelProfile], failure: Optional[str] = None) -> None:
@@ -193,8 +197,7 @@ class ShapePlanner:
         said = costs.learn(decision.sizes, profile)
         self._measured += 1
         self._forget_plans(costs)
-        self._next_check = self._steps + 1  # the next solved step is checked
-        self._interval = 1
+        self._schedule.soon()
         note(
             f"ckptwrap measured a training step at inputs of {decision.describe()} "
             f"({profile.step.total / 2**20 if profile.step else 0:.1f} MiB under the plan of least "
@@ -208,6 +211,11 @@ class ShapePlanner:
         plain = plain_peak(profile, self.settings.names, region_bytes=decision.region)
         return self._budget(plain, costs), plain
 
+    def timed(self, decision: Decision, seconds: float) -> None:
+        """A solved step of ``decision`` took ``seconds``, forward to end of backward."""
+        if decision.choice is not None:
+            self._schedule.timed(seconds, checked=decision.check)
+
     def abandoned(self, decision: Decision) -> None:
         """A measuring step ended without a backward."""
         self.watch_base = False
@@ -218,22 +226,21 @@ class ShapePlanner:
         choice, costs = decision.choice, decision.costs
         if choice is None or costs is None:
             return
-        share = (peak - choice.predicted_peak) / max(choice.plain_peak, 1)
+        # Above the prediction, beyond what the plan kept free for such misses.
+        share = (peak - choice.predicted_peak) / max(choice.plain_peak, 1) - decision.margin
         if not exact and share > _MISS:
             # An accelerator's peak not raised by the step, and above the prediction: the
             # next check resets the statistics to tell.
             self._reset = True
-            self._next_check = self._steps + 1
+            self._schedule.inconclusive()
             return
         self.checks += 1
         if share <= _MISS:
-            self._interval = min(_LONGEST_INTERVAL, self._interval * 2)
-            self._next_check = self._steps + self._interval
+            self._schedule.hit()
             return
-        costs.missed(decision.sizes, share, decision.source)
+        costs.missed(decision.sizes, share + decision.margin, decision.source)
         self._forget_plans(costs)
-        self._interval = 1
-        self._next_check = self._steps + 1
+        self._schedule.soon()
         note(
             f"ckptwrap's plan at inputs of {decision.describe()} peaked {share:.1%} of the "
             f"un-checkpointed peak above its prediction ({decision.source} costs); plans of these "
@@ -274,9 +281,9 @@ class ShapePlanner:
             costs.learn(sizes, profile)
             self._measured += 1
             known = profile
-        region = region_bytes(model, args, kwargs, self.settings.preserve_rng_state)
+        region = region_bytes(step_device(model, args, kwargs), self.settings.preserve_rng_state)
         choice = self._choice(costs, sizes, known, region, strict=strict, model=model)
-        self._next_check = self._steps + 1
+        self._schedule.soon()
         return choice
 
     def seed(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], profile: ModelProfile) -> None:
@@ -302,7 +309,9 @@ class ShapePlanner:
         model: nn.Module,
     ) -> Choice:
         settings = self.settings
-        plain = plain_peak(profile, settings.names, region_bytes=region)
+        plain = self._plain.get((id(costs), sizes, region))
+        if plain is None:
+            plain = self._plain[(id(costs), sizes, region)] = plain_peak(profile, settings.names, region_bytes=region)
         budget = self._budget(plain, costs)
         kept_free = int(costs.margin * plain)
         key = (id(costs), sizes, None if budget is None else int(budget), kept_free)
@@ -334,6 +343,8 @@ class ShapePlanner:
         self._plans[key] = choice
         while len(self._plans) > _CACHED:
             self._plans.popitem(last=False)
+        while len(self._plain) > _CACHED:
+            del self._plain[next(iter(self._plain))]
         return choice
 
     def _budget(self, plain: int, costs: LayoutCosts) -> Optional[int]:
@@ -357,6 +368,8 @@ class ShapePlanner:
     def _forget_plans(self, costs: LayoutCosts) -> None:
         for key in [key for key in self._plans if key[0] == id(costs)]:
             del self._plans[key]
+        for key in [key for key in self._plain if key[0] == id(costs)]:
+            del self._plain[key]
 
 
 def resolve_budget(budget: Budget, reference: int) -> int:

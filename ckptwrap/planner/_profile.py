@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import itertools
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -279,10 +280,13 @@ def _leaves(roots: List[torch.Tensor]) -> List[torch.Tensor]:
 
 
 def step_device(model: nn.Module, args: Any, kwargs: Any) -> torch.device:
-    """The device the step allocates on: that of the first accelerator tensor, else the CPU."""
-    for tensor in [*tensors((args, kwargs)), *model.parameters(), *model.buffers()]:
+    """The device the step allocates on: that of the first accelerator tensor among the
+    inputs, else the model's first parameter's (or buffer's), else the CPU."""
+    for tensor in tensors((args, kwargs)):
         if tensor.device.type not in ("cpu", "meta"):
             return tensor.device
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        return tensor.device if tensor.device.type != "meta" else torch.device("cpu")
     return torch.device("cpu")
 
 

@@ -9,14 +9,15 @@ The profiler runs candidate layers the same way (``measure._clients``).
 
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Iterable, Tuple
 
+import torch
 from torch import nn
 
 from .._warn import note
-from .._hf import cache_free_arguments
+from .._hf import cache_free_arguments, is_hf_layer_class
 
-__all__ = ["without_cache_writes"]
+__all__ = ["CacheWritesOff", "cache_writes_off", "cache_writes_on", "without_cache_writes"]
 
 _noted: set = set()
 
@@ -39,3 +40,33 @@ def without_cache_writes(
             f"the KV cache (use_cache=False), as with transformers' own gradient checkpointing."
         )
     return rewritten
+
+
+class CacheWritesOff:
+    """Forward pre-hook of a candidate layer under a ``budget:`` policy: in training, the
+    layer runs without writing the KV cache whether the plan checkpoints it or not. A
+    checkpointed layer never writes it (see :func:`without_cache_writes`); a plain one
+    would, and then the step's memory would depend on which layers the plan picks: off for
+    all, the model's own forward (its masks, its cache object) runs as it does plain."""
+
+    def __call__(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
+        if not torch.is_grad_enabled():
+            return None
+        rewritten = without_cache_writes(module, args, kwargs)
+        return None if rewritten[0] is args and rewritten[1] is kwargs else rewritten
+
+
+def cache_writes_off(layers: Iterable[nn.Module]) -> None:
+    """Register :class:`CacheWritesOff` on those of ``layers`` that write a KV cache."""
+    for layer in layers:
+        if is_hf_layer_class(type(layer)) and not any(isinstance(h, CacheWritesOff) for h in layer._forward_pre_hooks.values()):
+            layer.register_forward_pre_hook(CacheWritesOff(), with_kwargs=True)
+
+
+def cache_writes_on(layers: Iterable[nn.Module]) -> None:
+    """Remove the hooks :func:`cache_writes_off` registered."""
+    for layer in layers:
+        for key, hook in list(layer._forward_pre_hooks.items()):
+            if isinstance(hook, CacheWritesOff):
+                del layer._forward_pre_hooks[key]
+                layer._forward_pre_hooks_with_kwargs.pop(key, None)

@@ -15,6 +15,7 @@ from ..planner import Plan, as_example
 from ._marks import PLAN_ATTRIBUTE, apply_plan, unmark
 from ._per_shape import PlanPerShape, StepEnd, remove_pending
 from ._planning import _select, check_max_shapes, measured, plan, refuse_inference, shape_planner
+from ._clients import cache_writes_off
 from ._transformers import TransformersSwitch, switch_of
 
 __all__ = ["wrap_model", "unwrap_model", "remove_pending", "uncompiled", "PLAN_ATTRIBUTE"]
@@ -146,9 +147,12 @@ def _wrap(
 
 
 def _register(model: nn.Module, hook: PlanPerShape) -> None:
-    """The hooks that plan each training forward and follow its step to the end."""
+    """The hooks that plan each training forward and follow its step to the end, and keep
+    every candidate layer from writing a KV cache in training (checkpointed or not)."""
     model.register_forward_pre_hook(hook, with_kwargs=True)
     model.register_forward_hook(StepEnd(hook), always_call=True)
+    modules = dict(model.named_modules())
+    cache_writes_off(modules[name] for name in hook.planner.settings.names if name in modules)
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import time
 import weakref
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -31,6 +32,7 @@ from .._errors import CheckpointConfigError
 from .._warn import note, warn
 from ..measure import SpanPeak, tensors
 from ..planner import Decision, Plan, PlanEntry, ShapePlanner, StepRecorder, is_measuring, step_device
+from ._clients import cache_writes_on
 from ._marks import PLAN_ATTRIBUTE, apply_plan, mark, named, unmark
 from ._planning import measured
 
@@ -52,6 +54,7 @@ class _Step:
         self.planner, self.decision = planner, decision
         self.recorder, self.meter = recorder, meter
         self.forward_done_ = False
+        self.started = time.perf_counter()
         self.queued = False
         self.ended = False
         self.learned: Optional[Any] = None  # the profile a measured step gave
@@ -63,6 +66,7 @@ class _Step:
             return
         self.ended = True
         try:
+            self.planner.timed(self.decision, time.perf_counter() - self.started)
             if self.recorder is not None:
                 self.learned = self.recorder.finish()
                 self.planner.learned(self.decision, self.learned, self.recorder.failed)
@@ -174,9 +178,7 @@ class PlanPerShape:
     def step(self, model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         """Decide this training forward's plan, mark it, and start following the step."""
         device = step_device(model, args, kwargs)
-        decision = self.planner.decide(
-            model, args, kwargs, fresh=_fresh(model), cheap_checks=device.type not in ("cpu", "meta")
-        )
+        decision = self.planner.decide(model, args, kwargs, device=device, fresh=functools.partial(_fresh, model))
         if decision.measure and self._overlapping:
             decision = dataclasses.replace(decision, measure=False)
         if decision.measure:
@@ -388,3 +390,4 @@ def remove_pending(model: nn.Module) -> None:
             del model._forward_hooks[key]
             model._forward_hooks_with_kwargs.pop(key, None)
             model._forward_hooks_always_called.pop(key, None)
+    cache_writes_on(model.modules())

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import ckptwrap
 from ckptwrap import plan, unwrap_model, wrap_model
 from ckptwrap._errors import CheckpointConfigError
-from ckptwrap.planner import profile_modules, region_bytes, step_items
+from ckptwrap.planner import profile_modules, region_bytes, step_device, step_items
 from ckptwrap.planner._solver import predicted_peak, smallest_reachable_peak
 
 from ._models import (
@@ -88,7 +88,7 @@ def reachable_share(model: torch.nn.Module, inputs, names=None) -> float:
     names = plan(model, "blocks").names if names is None else names
     profile = profile_modules(model, names, inputs, repeats=0, step=True)
     ordered, _, tail = step_items(
-        profile, names, segments=True, levels=True, region_bytes=region_bytes(model, inputs, {})
+        profile, names, segments=True, levels=True, region_bytes=region_bytes(step_device(model, inputs, {}))
     )
     items = [item for _, item in ordered]
     lowest = smallest_reachable_peak(items, base=profile.base_bytes, tail=tail)
@@ -114,7 +114,7 @@ def _step_items(model, names, repeats=1):
     the tail: byte costs are deterministic, so a fresh profile gives the planner's own."""
     profile = profile_modules(model, names, _example(), repeats=repeats, step=True)
     ordered, _, tail = step_items(
-        profile, names, segments=True, region_bytes=region_bytes(model, _example(), {})
+        profile, names, segments=True, region_bytes=region_bytes(step_device(model, _example(), {}))
     )
     return ordered, profile.base_bytes, tail
 

@@ -20,7 +20,7 @@ from torch import nn
 import ckptwrap
 from ckptwrap import plan, unwrap_model, wrap_model
 from ckptwrap._errors import CheckpointConfigError
-from ckptwrap.planner import profile_modules, region_bytes, step_items
+from ckptwrap.planner import profile_modules, region_bytes, step_device, step_items
 from ckptwrap.planner._solver import predicted_peak, solve_budget
 from ckptwrap.planner import _items
 from ckptwrap.wrap._marks import apply_plan as _apply
@@ -215,7 +215,7 @@ def _step_items(model: nn.Module, example: Tuple[torch.Tensor, ...], *, segments
     names = [f"h.{i}" for i in range(len(model.h))]
     profile = profile_modules(model, names, example, repeats=0, step=True)
     ordered, _, tail = step_items(
-        profile, names, segments=segments, region_bytes=region_bytes(model, example, {})
+        profile, names, segments=segments, region_bytes=region_bytes(step_device(model, example, {}))
     )
     return [item for _, item in ordered], profile.base_bytes, tail
 

@@ -1,0 +1,213 @@
+"""Training loops as people write them, for judging a lazy ``budget:`` on any model: the
+batches each loop feeds, the step each one runs, and the two passes that judge a model
+under it (memory, read at the allocator beside the plain model trained alongside; time,
+beside ``blocks``). Shared by ``benchmarks/budget_loops.py`` and its test.
+
+Four loops:
+
+- ``loss``: dynamic lengths, ``model(**batch).loss.backward()`` (the output is dropped
+  before the backward).
+- ``held``: the same batches, ``out = model(**batch); out.loss.backward()`` (the output,
+  logits and caches, stays alive through the backward).
+- ``padded``: right-padded attention masks as a collator makes them, batch sizes and
+  lengths changing every step, the output held.
+- ``accumulate``: gradient accumulation over two micro-batches of other lengths, with an
+  evaluation forward (and ``generate`` where the model generates) every few steps.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+import random
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+import ckptwrap
+from _allocator import allocator_peak
+
+__all__ = ["LOOPS", "MemoryResult", "TimeResult", "budget_for", "memory_pass", "schedule", "time_pass"]
+
+LOOPS = ("loss", "held", "padded", "accumulate")
+OVER = 0.03
+"""A step may peak above the budget by this share of the plain peak at the largest shape so far."""
+EVAL_EVERY = 6
+"""In the ``accumulate`` loop, an evaluation forward (and ``generate``) after every this many steps."""
+_LR = 1e-3
+
+Step = Tuple[int, int, int, bool]
+"""(rows, length, seed, padded) of one forward."""
+
+
+def schedule(arch: Any, loop: str, steps: int, seed: int = 0) -> List[List[Step]]:
+    """Per training step, the forwards it runs (two micro-batches when accumulating)."""
+    rng = random.Random(f"{arch.name}-{loop}-{seed}")
+    low, high = arch.lengths
+    plan: List[List[Step]] = []
+    for step in range(steps):
+        length = high if step == steps // 3 else rng.randint(low, high)  # the longest once, early
+        if loop == "padded":
+            rows = rng.choice((4, 3, 2))
+            plan.append([(rows, length, step, True)])
+        elif loop == "accumulate":
+            other = rng.randint(low, high)
+            plan.append([(2, length, 2 * step, False), (2, other, 2 * step + 1, False)])
+        else:
+            plan.append([(4, length, step, False)])
+    return plan
+
+
+def budget_for(arch: Any, model: nn.Module) -> int:
+    """Bytes halfway between the least peak any plan reaches and the plain peak, at the
+    longest length, as the planner predicts both on a copy: in reach at every shape, and
+    below the plain peak at the longest, so that long batches checkpoint."""
+    batch = _inputs(model, arch, (4, arch.lengths[1], 0, False))
+    every = ckptwrap.plan(copy.deepcopy(model), "blocks", example_kwargs=batch)
+    return (every.predicted_peak + every.plain_peak) // 2
+
+
+def _inputs(model: nn.Module, arch: Any, forward: Step) -> Dict[str, Any]:
+    """One forward's inputs. A model that would write a KV cache in training runs without
+    (``use_cache=False``), as transformers' own gradient checkpointing runs it and as a
+    checkpointed layer must (its recomputation cannot write the cache again): with the
+    cache on, the plain model takes other kernels at some lengths, and gradients that
+    differ in the last bit from the checkpointed model's would say nothing of ckptwrap."""
+    batch = arch.batch(*forward)
+    if "use_cache" in inspect.signature(type(model).forward).parameters:
+        batch["use_cache"] = False
+    return batch
+
+
+def _forward(model: nn.Module, arch: Any, forward: Step, held: bool) -> torch.Tensor:
+    batch = _inputs(model, arch, forward)
+    torch.manual_seed(forward[2])  # the same dropout in every model
+    if held:
+        out = model(**batch)
+        out.loss.backward()
+        loss = out.loss.detach()
+        del out
+        return loss
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach()
+
+
+def _evaluate(model: nn.Module, arch: Any, seed: int) -> None:
+    """An evaluation forward, and a few generated tokens where the model generates."""
+    model.eval()
+    batch = arch.batch(2, arch.lengths[0], seed, False)
+    ids, mask = batch.get("input_ids"), batch.get("attention_mask")
+    with torch.no_grad():
+        model(**batch)
+        if arch.generates and ids is not None:
+            model.generate(input_ids=ids[:1], attention_mask=None if mask is None else mask[:1], max_new_tokens=4)
+    model.train()
+
+
+def train_step(model: nn.Module, arch: Any, loop: str, forwards: List[Step], index: int, optimizer: Any) -> List[torch.Tensor]:
+    """One optimizer step of ``loop``: its forwards and backwards from fresh gradients."""
+    optimizer.zero_grad(set_to_none=True)
+    losses = [_forward(model, arch, forward, held=loop != "loss") for forward in forwards]
+    optimizer.step()
+    if loop == "accumulate" and (index + 1) % EVAL_EVERY == 0:
+        _evaluate(model, arch, index)
+    return losses
+
+
+@dataclasses.dataclass
+class MemoryResult:
+    budget: int
+    worst_over: float = -1.0
+    """The largest step peak above the budget, as a share of the plain peak at the largest
+    shape so far."""
+    steps_over: int = 0
+    exact: bool = True
+    measured: int = 0
+    checked: int = 0
+    error: Optional[str] = None
+    unchanged: bool = True
+
+
+def memory_pass(arch: Any, loop: str, steps: int) -> MemoryResult:
+    """Train the budget and the plain model side by side; every forward and backward read
+    at the allocator (around each micro-step, from fresh or accumulated gradients)."""
+    template = arch.build()
+    plain = copy.deepcopy(template)
+    model = copy.deepcopy(template)
+    result = MemoryResult(budget_for(arch, template))
+    try:
+        ckptwrap.wrap_model(model, f"budget:{result.budget}B")
+        optimizers = [torch.optim.SGD(m.parameters(), lr=_LR) for m in (model, plain)]
+        largest = 0
+        for index, forwards in enumerate(schedule(arch, loop, steps)):
+            for each, optimizer in zip((model, plain), optimizers):
+                optimizer.zero_grad(set_to_none=True)
+            for forward in forwards:
+                losses, peaks = [], []
+                for each in (model, plain):
+                    peaks.append(allocator_peak(lambda: losses.append(_forward(each, arch, forward, loop != "loss"))))
+                largest = max(largest, peaks[1])
+                over = (peaks[0] - result.budget) / max(largest, 1)
+                result.worst_over = max(result.worst_over, over)
+                result.steps_over += over > OVER
+                result.exact &= torch.equal(losses[0], losses[1]) and _same_grads(model, plain)
+            for optimizer in optimizers:
+                optimizer.step()
+            if loop == "accumulate" and (index + 1) % EVAL_EVERY == 0:
+                for each in (model, plain):
+                    _evaluate(each, arch, index)
+        planner = next(h for h in model._forward_pre_hooks.values() if hasattr(h, "planner")).planner
+        result.measured, result.checked = planner.measurements, planner.checks
+        result.unchanged = _same_model(model, plain)
+    except Exception as error:  # noqa: BLE001 - reported in the table
+        result.error = f"{type(error).__name__}: {error}"[:200]
+    return result
+
+
+@dataclasses.dataclass
+class TimeResult:
+    budget_s: float
+    blocks_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.budget_s / self.blocks_s
+
+
+def time_pass(arch: Any, loop: str, steps: int, budget: int) -> TimeResult:
+    """The budget and ``blocks`` taking turns step by step, nothing metered."""
+    template = arch.build()
+    models = {"budget": ckptwrap.wrap_model(copy.deepcopy(template), f"budget:{budget}B"),
+              "blocks": ckptwrap.wrap_model(copy.deepcopy(template), "blocks")}
+    optimizers = {name: torch.optim.SGD(m.parameters(), lr=_LR) for name, m in models.items()}
+    totals = {name: 0.0 for name in models}
+    for index, forwards in enumerate(schedule(arch, loop, steps)):
+        order = list(models) if index % 2 == 0 else list(reversed(list(models)))
+        for name in order:
+            start = time.perf_counter()
+            train_step(models[name], arch, loop, forwards, index, optimizers[name])
+            totals[name] += time.perf_counter() - start
+    return TimeResult(totals["budget"], totals["blocks"])
+
+
+def _same_grads(model: nn.Module, plain: nn.Module) -> bool:
+    return all(
+        (a.grad is None and b.grad is None) or (a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad))
+        for a, b in zip(model.parameters(), plain.parameters())
+    )
+
+
+def _same_model(model: nn.Module, plain: nn.Module) -> bool:
+    """Planning left the model as training the plain one did: its configuration, its
+    modules, and every parameter and buffer."""
+    config = getattr(model, "config", None)
+    if config is not None and config.to_dict() != plain.config.to_dict():
+        return False
+    if [name for name, _ in model.named_modules()] != [name for name, _ in plain.named_modules()]:
+        return False
+    theirs = plain.state_dict()
+    return all(torch.equal(value, theirs[name]) for name, value in model.state_dict().items())

@@ -1,0 +1,138 @@
+"""A lazy ``budget:`` on many architectures, in the loops people write.
+
+Every architecture of ``_architectures`` (Hugging Face models built tiny from their
+configs: causal, encoder, encoder-decoder, speech, vision, hierarchical vision,
+multimodal, state-space) and of ``_diffusion`` (diffusers models, where diffusers is
+installed), in each loop of ``_budget_loops`` (loss only; outputs held through the
+backward; right-padded masks with changing batch sizes and lengths; accumulation with
+evaluation and ``generate`` between), under an absolute budget halfway between the least
+peak any plan reaches and the plain peak at the longest length, wrapped with no example
+inputs, as a training script does.
+
+- memory: every micro-step of the budget model and of the plain model trained alongside,
+  read at the CPU allocator (``torch.profiler``'s memory events, independent of
+  ckptwrap's meters). "over" is the largest step peak above the budget, in % of the plain
+  peak at the largest shape so far (target: at most 3%); "exact": every loss and gradient
+  equal to the plain model's, bit for bit; "same": the model, its configuration and its
+  parameters as plain training left them.
+- time: the budget model and ``blocks`` taking turns step by step, nothing metered; "vs
+  blocks" is the budget's total over ``blocks``'s (target: at most 1.10).
+- "measured" / "checked": the steps the planner measured (under the plan of least
+  memory), and those it metered against their prediction.
+
+    python benchmarks/budget_loops.py [--steps 48] [--only NAME,...] [--loops loss,...]
+                                      [--no-time] [--markdown FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+from _budget_loops import LOOPS, OVER, memory_pass, time_pass  # noqa: E402
+
+TIME_TARGET = 1.10
+
+
+def architectures() -> Dict[str, Any]:
+    """Every architecture that builds here, by name."""
+    from _architectures import ARCHITECTURES, available
+
+    found = {name: ARCHITECTURES[name] for name in available()}
+    try:
+        from _diffusion import DIFFUSION, available as diffusion_available
+    except ImportError:
+        return found
+    found.update((name, DIFFUSION[name]) for name in diffusion_available())
+    return found
+
+
+def run(arch: Any, loop: str, steps: int, timed: bool) -> Dict[str, Any]:
+    start = time.perf_counter()
+    memory = memory_pass(arch, loop, steps)
+    row: Dict[str, Any] = {"name": arch.name, "family": arch.family, "loop": loop, "memory": memory}
+    if timed and memory.error is None:
+        row["time"] = time_pass(arch, loop, steps, memory.budget)
+    row["seconds"] = time.perf_counter() - start
+    return row
+
+
+def ok(row: Dict[str, Any]) -> bool:
+    memory = row["memory"]
+    fine = memory.error is None and memory.worst_over <= OVER and memory.exact and memory.unchanged
+    timing = row.get("time")
+    return fine and (timing is None or timing.ratio <= TIME_TARGET)
+
+
+def line(row: Dict[str, Any]) -> List[str]:
+    memory, timing = row["memory"], row.get("time")
+    if memory.error is not None:
+        return [row["name"], row["family"], row["loop"], "-", "-", "-", "-", "-", "-", "ERROR " + memory.error]
+    return [
+        row["name"], row["family"], row["loop"],
+        f"{100 * memory.worst_over:.1f}%", "yes" if memory.exact else "NO", "yes" if memory.unchanged else "NO",
+        "-" if timing is None else f"{timing.ratio:.2f}", str(memory.measured), str(memory.checked),
+        "ok" if ok(row) else "MISSED",
+    ]
+
+
+HEADER = ["model", "family", "loop", "over", "exact", "same", "vs blocks", "measured", "checked", ""]
+
+
+def table(rows: List[List[str]]) -> str:
+    widths = [max(len(r[i]) for r in [HEADER, *rows]) for i in range(len(HEADER))]
+    out = ["  ".join(h.ljust(w) for h, w in zip(HEADER, widths)), "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(out)
+
+
+def markdown(rows: List[List[str]]) -> str:
+    out = ["| " + " | ".join(HEADER[:-1]) + " | |", "|" + "---|" * len(HEADER)]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=48)
+    parser.add_argument("--only", help="comma-separated architecture names")
+    parser.add_argument("--loops", default=",".join(LOOPS), help=f"comma-separated, of {', '.join(LOOPS)}")
+    parser.add_argument("--no-time", action="store_true", help="memory and exactness only")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument("--markdown", help="also write the table as markdown to this file")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    found = architectures()
+    names = args.only.split(",") if args.only else list(found)
+    unknown = [name for name in names if name not in found]
+    if unknown:
+        parser.error(f"unknown or unavailable architectures {unknown}; available: {', '.join(found)}")
+    loops = args.loops.split(",")
+    rows, met = [], 0
+    start = time.perf_counter()
+    for name in names:
+        for loop in loops:
+            row = run(found[name], loop, args.steps, timed=not args.no_time)
+            rows.append(line(row))
+            met += ok(row)
+            print("  ".join(rows[-1]), f"({row['seconds']:.0f} s)", flush=True)
+    print()
+    print(table(rows))
+    total = len(rows)
+    print(f"\n{len(names)} models x {len(loops)} loops, {args.steps} steps each, in {time.perf_counter() - start:.0f} s")
+    print(f"targets (over <= {100 * OVER:.0f}%, exact, same, vs blocks <= {TIME_TARGET:.2f}): {met} of {total} met")
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(rows) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
