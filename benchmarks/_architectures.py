@@ -59,6 +59,10 @@ class Architecture:
     generates: bool = False
     """Whether model.generate(input_ids=..., attention_mask=..., max_new_tokens=4) works
     (causal LMs and encoder-decoders that take input_ids)."""
+    candidates: str = ""
+    """The set term a budget chooses among where ``blocks`` (the default) finds nothing:
+    ALBERT's one shared layer, which transformers' own gradient checkpointing does not
+    take either."""
 
 
 def _tune(config: Any) -> None:
@@ -89,7 +93,48 @@ def _hf(model: str, **config: Any) -> Callable[[], nn.Module]:
         torch.manual_seed(0)
         return cls(cfg).train()
 
+    build.model, build.config = model, config  # type: ignore[attr-defined]
     return build
+
+
+_WIDTHS = frozenset((
+    "hidden_size", "intermediate_size", "n_embd", "d_model", "d_ff", "d_kv", "ffn_dim", "dim",
+    "hidden_dim", "embedding_size", "encoder_ffn_dim", "decoder_ffn_dim", "head_dim",
+    "rotary_dim", "word_embed_proj_dim", "attention_hidden_size", "projection_dim",
+    "embed_dim", "hidden_sizes", "conv_dim",
+))
+"""Config fields that are widths (of features, heads or channels), never counts or lengths."""
+
+
+def _widened(config: Any, factor: int) -> Any:
+    if isinstance(config, dict):
+        return {
+            key: (_scaled(value, factor) if key in _WIDTHS else _widened(value, factor))
+            for key, value in config.items()
+        }
+    return config
+
+
+def _scaled(value: Any, factor: int) -> Any:
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int):
+        return value * factor
+    if isinstance(value, (list, tuple)):
+        return type(value)(_scaled(v, factor) for v in value)
+    return value
+
+
+def widened(arch: "Architecture", factor: int) -> Optional["Architecture"]:
+    """``arch`` with every width of its config (hidden sizes, feed-forward, head and
+    channel widths) ``factor`` times as large, layers, heads and lengths as they are;
+    None if it is not built from a transformers config."""
+    config = getattr(arch.build, "config", None)
+    if factor == 1:
+        return arch
+    if config is None:
+        return None
+    return dataclasses.replace(arch, build=_hf(arch.build.model, **_widened(config, factor)))  # type: ignore[attr-defined]
 
 
 def _generator(rows: int, length: int, seed: int) -> torch.Generator:
@@ -303,7 +348,9 @@ _CATALOGUE: List[Architecture] = [
     _encoder("roberta", "RobertaForMaskedLM", **_BERT),
     _encoder("xlm_roberta", "XLMRobertaForMaskedLM", **_BERT),
     _encoder("electra", "ElectraForMaskedLM", embedding_size=32, **_BERT),
-    _encoder("albert", "AlbertForMaskedLM", embedding_size=16, **_BERT),
+    dataclasses.replace(
+        _encoder("albert", "AlbertForMaskedLM", embedding_size=16, **_BERT), candidates="type:AlbertLayer",
+    ),
     _encoder("deberta_v2", "DebertaV2ForMaskedLM", **_BERT),
     _encoder("mpnet", "MPNetForMaskedLM", **_BERT),
     _encoder(

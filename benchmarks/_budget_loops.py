@@ -22,7 +22,7 @@ import dataclasses
 import inspect
 import random
 import time
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -66,8 +66,12 @@ def budget_for(arch: Any, model: nn.Module) -> int:
     longest length, as the planner predicts both on a copy: in reach at every shape, and
     below the plain peak at the longest, so that long batches checkpoint."""
     batch = _inputs(model, arch, (4, arch.lengths[1], 0, False))
-    every = ckptwrap.plan(copy.deepcopy(model), "blocks", example_kwargs=batch)
+    every = ckptwrap.plan(copy.deepcopy(model), arch.candidates or "blocks", example_kwargs=batch)
     return (every.predicted_peak + every.plain_peak) // 2
+
+
+def _policy(arch: Any, budget: int) -> str:
+    return ";".join(filter(None, (arch.candidates, f"budget:{budget}B")))
 
 
 def _inputs(model: nn.Module, arch: Any, forward: Step) -> Dict[str, Any]:
@@ -82,8 +86,10 @@ def _inputs(model: nn.Module, arch: Any, forward: Step) -> Dict[str, Any]:
     return batch
 
 
-def _forward(model: nn.Module, arch: Any, forward: Step, held: bool) -> torch.Tensor:
-    batch = _inputs(model, arch, forward)
+def _forward(model: nn.Module, arch: Any, forward: Step, held: bool, batch: Optional[Dict[str, Any]] = None) -> torch.Tensor:
+    """One forward and backward; ``batch``, if given, made beforehand (as a loop's collator
+    makes it before the step)."""
+    batch = _inputs(model, arch, forward) if batch is None else batch
     torch.manual_seed(forward[2])  # the same dropout in every model
     if held:
         out = model(**batch)
@@ -138,9 +144,10 @@ def memory_pass(arch: Any, loop: str, steps: int) -> MemoryResult:
     template = arch.build()
     plain = copy.deepcopy(template)
     model = copy.deepcopy(template)
-    result = MemoryResult(budget_for(arch, template))
+    result = MemoryResult(0)
     try:
-        ckptwrap.wrap_model(model, f"budget:{result.budget}B")
+        result.budget = budget_for(arch, template)
+        ckptwrap.wrap_model(model, _policy(arch, result.budget))
         optimizers = [torch.optim.SGD(m.parameters(), lr=_LR) for m in (model, plain)]
         largest = 0
         for index, forwards in enumerate(schedule(arch, loop, steps)):
@@ -149,7 +156,10 @@ def memory_pass(arch: Any, loop: str, steps: int) -> MemoryResult:
             for forward in forwards:
                 losses, peaks = [], []
                 for each in (model, plain):
-                    peaks.append(allocator_peak(lambda: losses.append(_forward(each, arch, forward, loop != "loss"))))
+                    # The batch is made before the step, outside what its peak counts.
+                    batch = _inputs(each, arch, forward)
+                    peaks.append(allocator_peak(lambda: losses.append(_forward(each, arch, forward, loop != "loss", batch))))
+                    del batch
                 largest = max(largest, peaks[1])
                 over = (peaks[0] - result.budget) / max(largest, 1)
                 result.worst_over = max(result.worst_over, over)
@@ -181,8 +191,8 @@ class TimeResult:
 def time_pass(arch: Any, loop: str, steps: int, budget: int) -> TimeResult:
     """The budget and ``blocks`` taking turns step by step, nothing metered."""
     template = arch.build()
-    models = {"budget": ckptwrap.wrap_model(copy.deepcopy(template), f"budget:{budget}B"),
-              "blocks": ckptwrap.wrap_model(copy.deepcopy(template), "blocks")}
+    models = {"budget": ckptwrap.wrap_model(copy.deepcopy(template), _policy(arch, budget)),
+              "blocks": ckptwrap.wrap_model(copy.deepcopy(template), arch.candidates or "blocks")}
     optimizers = {name: torch.optim.SGD(m.parameters(), lr=_LR) for name, m in models.items()}
     totals = {name: 0.0 for name in models}
     for index, forwards in enumerate(schedule(arch, loop, steps)):

@@ -7,6 +7,7 @@ addresses it holds, so a storage allocated where a freed one was is never taken 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Callable, Dict, Generic, Iterable, Iterator, List, Optional, Tuple, TypeVar
 
 import torch
@@ -32,6 +33,8 @@ output of ``op`` is saved (``MUST_SAVE``/``PREFER_SAVE``) or recomputed."""
 _SAVES = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
 
 _V = TypeVar("_V")
+_DEPTH = 8
+"""How deep ``tensors`` opens dataclasses within dataclasses."""
 
 
 def tensor_storages(tensor: torch.Tensor) -> Iterator[torch.UntypedStorage]:
@@ -52,8 +55,9 @@ def tensor_storages(tensor: torch.Tensor) -> Iterator[torch.UntypedStorage]:
         return
 
 
-def tensors(value: Any) -> List[torch.Tensor]:
-    """The tensors among the leaves of a nested structure, in order."""
+def tensors(value: Any, depth: int = 0) -> List[torch.Tensor]:
+    """The tensors among the leaves of a nested structure (containers pytree opens, and
+    dataclasses), in order."""
     if isinstance(value, torch.Tensor):
         return [value]
     if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
@@ -63,12 +67,20 @@ def tensors(value: Any) -> List[torch.Tensor]:
         for item in value:
             if isinstance(item, torch.Tensor):
                 found.append(item)
-            elif isinstance(item, (list, tuple, dict)):
-                found.extend(tensors(item))
+            elif isinstance(item, (list, tuple, dict)) or dataclasses.is_dataclass(item):
+                found.extend(tensors(item, depth))
         return found
     if type(value) is dict:
-        return tensors(list(value.values()))
-    return [leaf for leaf in tree_flatten(value)[0] if isinstance(leaf, torch.Tensor)]
+        return tensors(list(value.values()), depth)
+    found = []
+    for leaf in tree_flatten(value)[0]:
+        if isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type) and depth < _DEPTH:
+            # A model's own output class (a dataclass pytree does not open).
+            fields = [getattr(leaf, field.name, None) for field in dataclasses.fields(leaf)]
+            found.extend(tensors(fields, depth + 1))
+    return found
 
 
 def differentiable(tensor: torch.Tensor) -> bool:

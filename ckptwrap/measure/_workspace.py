@@ -5,12 +5,18 @@ and output (oneDNN's blocked layouts, or im2col columns).
 The CPU keeps no allocator statistics. So a CPU convolution met by a meter that counts
 workspaces runs once under torch's legacy autograd profiler, which reports the
 allocator's events on the calling thread without starting any profiler library (no
-other thread, no output); the highest it held is kept per operator signature, so each
-distinct convolution is read once. Where that profiler cannot run (another profiler is
-recording on this thread, or a torch without it), a bound fitted to those readings over
-convolutions of one to three dimensions, strides 1 to 5, kernels 1 to 10, grouped and
-depthwise stands in: the forward held at most 0.9 times, its backward at most 1.55 times
-the bytes of input, output (or output gradient) and weight; rounded up to 1 and 1.6.
+output); the highest it held is kept per operator signature, so each distinct
+convolution is read once. Where a profiler of the caller's records on the calling
+thread, the convolution is read on a thread of its own (where no profiler records), on
+the same inputs and without autograd, just before it runs for real: the reading holds
+what the real call holds, then frees it, so the step's peak is unchanged, and the
+caller's profiler does not see it. Channels-last convolutions hold far more than their
+inputs and outputs (a depthwise 7x7 backward, 256 times its weight); only a reading
+knows. Where no reading can be taken (a torch without that profiler), a bound fitted to
+readings over contiguous convolutions of one to three dimensions, strides 1 to 5,
+kernels 1 to 10, grouped and depthwise stands in: the forward held at most 0.9 times,
+its backward at most 1.55 times the bytes of input, output (or output gradient) and
+weight; rounded up to 1 and 1.6.
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ def run_held(func: Any, args: Any, kwargs: Dict[str, Any]) -> Tuple[Any, int]:
     if known is not None:
         return func(*args, **kwargs), known
     out, held = _profiled(func, args, kwargs)
+    if out is None:  # read aside: the operator runs here now
+        out = func(*args, **kwargs)
     if held is None:
         return out, _bound(name, args, out)
     with _lock:
@@ -82,11 +90,40 @@ def _signature(func: Any, args: Any, kwargs: Dict[str, Any]) -> Tuple[Any, ...]:
 
 
 def _profiled(func: Any, args: Any, kwargs: Dict[str, Any]) -> Tuple[Any, Optional[int]]:
-    """Run ``func`` under the legacy profiler, if it can run here, and read the highest
-    its allocations reached; None where it cannot."""
+    """Run ``func`` and read the highest its allocations reached under the legacy
+    profiler; None where that profiler cannot run. Where a profiler records on this
+    thread (the caller's), the reading is taken on a thread of its own, on the same
+    inputs, before ``func`` runs here: it holds what ``func`` will, then frees it."""
     profiler = _torch_private.legacy_memory_profiler
-    if profiler is None or _torch_private.profiler_enabled():
+    if profiler is None:
         return func(*args, **kwargs), None
+    if _torch_private.profiler_enabled():
+        return None, _aside(profiler, func, args, kwargs)
+    return _reading(profiler, func, args, kwargs)
+
+
+def _aside(profiler: Any, func: Any, args: Any, kwargs: Dict[str, Any]) -> Optional[int]:
+    """:func:`_reading` on another thread, its output dropped there."""
+    found: Dict[str, Optional[int]] = {}
+    threads = torch.get_num_threads()
+
+    def probe() -> None:
+        try:
+            # A new thread starts with OpenMP's default team size; the kernels size their
+            # scratch memory by the team, so it must be the caller's.
+            torch.set_num_threads(threads)
+            with torch.no_grad():
+                found["held"] = _reading(profiler, func, args, kwargs)[1]
+        except Exception:  # noqa: BLE001 - no reading: the fitted bound stands in
+            found["held"] = None
+
+    thread = threading.Thread(target=probe, name="ckptwrap-workspace", daemon=True)
+    thread.start()
+    thread.join()
+    return found.get("held")
+
+
+def _reading(profiler: Any, func: Any, args: Any, kwargs: Dict[str, Any]) -> Tuple[Any, Optional[int]]:
     enable, disable, config = profiler
     try:
         enable(config())

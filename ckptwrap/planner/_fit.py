@@ -30,6 +30,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 import torch
 
 from ._module_costs import ModelProfile, ModuleCost
+from ._ops import OpCost
 from ._poly import basis, fit_columns, monomials, powers_of
 from ._step import END, StepPeaks
 
@@ -201,25 +202,19 @@ class CostFit:
         work = _work_of(values)
         timing = self._timings.get(name)
         seconds = cost.forward_time if timing is None else timing.seconds(work)
-        ops = tuple(
-            dataclasses.replace(
-                op,
-                bytes=max(0, ints.get(f"{name}/op{k}/bytes", op.bytes)),
-                flops=max(0, ints.get(f"{name}/op{k}/flops", op.flops)),
-            )
-            for k, op in enumerate(cost.ops)
-        )
-        if timing is not None and ops:
-            share = timing.overhead / len(ops)
-            ops = tuple(
-                dataclasses.replace(op, time=share + timing.rate * (op.flops + _BYTES_PER_FLOP * op.bytes))
-                for op in ops
-            )
+        # One construction per operator (a profile has hundreds: evaluated at every new shape).
+        share = timing.overhead / len(cost.ops) if timing is not None and cost.ops else 0.0
+        ops = []
+        for k, op in enumerate(cost.ops):
+            nbytes = max(0, ints.get(f"{name}/op{k}/bytes", op.bytes))
+            flops = max(0, ints.get(f"{name}/op{k}/flops", op.flops))
+            spent = op.time if timing is None else share + timing.rate * (flops + _BYTES_PER_FLOP * nbytes)
+            ops.append(OpCost(op.op, op.occurrence, nbytes, op.saved, flops, spent, op.mutated))
         recompute = None
         if cost.recompute_time is not None and cost.forward_time > 0:
             recompute = seconds * cost.recompute_time / cost.forward_time
         return dataclasses.replace(
-            cost, **values, forward_time=seconds, recompute_time=recompute, ops=ops, forward_moments=(),
+            cost, **values, forward_time=seconds, recompute_time=recompute, ops=tuple(ops), forward_moments=(),
         )
 
     def _step(self, ints: Mapping[str, int], peaks: Mapping[str, float]) -> Optional[StepPeaks]:

@@ -77,8 +77,7 @@ def selective_levels(
         The levels; empty when the candidate has no operators worth saving.
     """
     ops = list(getattr(cost, "ops", ()) or ())
-    if op_times is not None:
-        ops = [dataclasses.replace(op, time=t) for op, t in zip(ops, op_times)]
+    times = [op.time for op in ops] if op_times is None else list(op_times)
     chosen = [
         (position, op) for position, op in enumerate(ops)
         if op.bytes > 0 and op.saved and not op.mutated
@@ -91,14 +90,14 @@ def selective_levels(
     if overhead is None:
         overhead = float(getattr(cost, "selective_overhead", 0.0) or 0.0)
     overhead *= 2
-    total = math.fsum(op.time for op in ops)
+    total = math.fsum(times)
     scale = item.time / total if total > item.time and total > 0 else 1.0
-    chosen.sort(key=lambda pair: (-pair[1].time / pair[1].bytes, pair[0]))
+    chosen.sort(key=lambda pair: (-times[pair[0]] / pair[1].bytes, pair[0]))
     levels: List[Level] = []
     saved_bytes, saved_time, taken = 0, 0.0, []
     for position, op in chosen:
         saved_bytes += op.bytes
-        saved_time += op.time * scale
+        saved_time += times[position] * scale
         taken.append((position, op))
         inputs = item.inputs + saved_bytes
         time = max(item.time - saved_time, 0.0) + overhead
@@ -131,7 +130,10 @@ def pooled_levels(pairs: Sequence[Tuple[Any, CostItem]]) -> List[Tuple[Level, ..
     for members in groups.values():
         costs = [pairs[i][0] for i in members]
         count = len(getattr(costs[0], "ops", ()) or ())
-        times = [statistics.median(cost.ops[k].time for cost in costs) for k in range(count)]
+        if len(costs) == 1:
+            times = [op.time for op in costs[0].ops[:count]]
+        else:
+            times = [statistics.median([cost.ops[k].time for cost in costs]) for k in range(count)]
         typical = statistics.median(pairs[i][1].time for i in members)
         item = dataclasses.replace(pairs[members[0]][1], time=typical)
         overhead = statistics.median(

@@ -5,7 +5,7 @@ may stand for shapes not measured, and the margin the closed loop added.
 A fit is trusted once it has predicted a measured step it was not fitted on, within
 ``_TRUST_UNDER`` (too low) and ``_TRUST_OVER`` (too high) of that step's peak, and then
 only where the measured shapes determine it (``CostFit.identifies``: a batch measured at
-one size says nothing of another) and up to a quarter past the largest size of each
+one size says nothing of another) and up to a tenth past the largest size of each
 variable measured. A checked step above its prediction adds that
 share of the un-checkpointed peak as a margin; a large miss at a fitted shape has that
 shape measured again.
@@ -39,7 +39,7 @@ _TRUST_UNDER = 0.02
 still be trusted."""
 _TRUST_OVER = 0.10
 """How far above it."""
-_EXTEND = 1.25
+_EXTEND = 1.1
 """A trusted fit stands for sizes up to this multiple of the largest measured (any smaller
 size: costs there are smaller, and a miss is caught by the checks)."""
 _KEPT = 12
@@ -53,6 +53,8 @@ _GIVE_UP = 3
 """Failed measurements of one layout after which it is no longer measured."""
 _LAYOUTS = 8
 """Layouts of inputs kept per planner, the most recently used."""
+_EVALUATED = 64
+"""Evaluations of a fit kept per layout, the most recent."""
 
 _MEASURING: contextvars.ContextVar[bool] = contextvars.ContextVar("ckptwrap_measuring", default=False)
 
@@ -120,33 +122,53 @@ class LayoutCosts:
         """A share of the un-checkpointed peak kept free beyond the predictions."""
         self.failures = 0
         self.remeasure: Set[Sizes] = set()
+        # Evaluations of the current fit, by sizes (a loop meets a shape many times).
+        self._fitted: Dict[Sizes, ModelProfile] = {}
+        self._covered: Dict[Sizes, bool] = {}
 
     @property
     def given_up(self) -> bool:
         return self.failures >= _GIVE_UP
 
-    def costs_at(self, sizes: Sizes) -> Optional[Tuple[ModelProfile, str]]:
-        """The profile at ``sizes`` if it is known without measuring, and where it comes
-        from (``measured`` or ``fitted``)."""
+    def source_at(self, sizes: Sizes) -> Optional[str]:
+        """Where the costs at ``sizes`` come from if they are known without measuring
+        (``measured`` or ``fitted``, then :meth:`profile_at` gives them), else None."""
         if sizes in self.remeasure:
             return None
-        known = self.profiles.get(sizes)
-        if known is not None:
-            return known, "measured"
+        if sizes in self.profiles:
+            return "measured"
         if self.fit is None or not self.trusted or not self.covers(sizes):
             return None
-        return self.fit.profile_at(sizes), "fitted"
+        return "fitted"
+
+    def profile_at(self, sizes: Sizes) -> ModelProfile:
+        """The profile at ``sizes``: measured there, or else fitted."""
+        known = self.profiles.get(sizes)
+        if known is not None:
+            return known
+        assert self.fit is not None
+        found = self._fitted.get(sizes)
+        if found is None:
+            found = self._fitted[sizes] = self.fit.profile_at(sizes)
+            while len(self._fitted) > _EVALUATED:
+                del self._fitted[next(iter(self._fitted))]
+        return found
 
     def covers(self, sizes: Sizes) -> bool:
         """Whether a trusted fit stands for ``sizes``."""
         fit = self.fit
         if fit is None:
             return False
-        for index, size in enumerate(sizes):
-            seen = [point[index] for point in fit.points]
-            if size > max(seen) * _EXTEND:
-                return False
-        return fit.identifies(sizes)
+        known = self._covered.get(sizes)
+        if known is not None:
+            return known
+        covered = all(
+            size <= max(point[index] for point in fit.points) * _EXTEND for index, size in enumerate(sizes)
+        ) and fit.identifies(sizes)
+        self._covered[sizes] = covered
+        while len(self._covered) > _EVALUATED:
+            del self._covered[next(iter(self._covered))]
+        return covered
 
     def learn(self, sizes: Sizes, profile: ModelProfile) -> str:
         """Take a step measured at ``sizes``: check the fit on it if it was not fitted on
@@ -196,6 +218,8 @@ class LayoutCosts:
                 del self.profiles[point]
 
     def _refit(self) -> None:
+        self._fitted.clear()
+        self._covered.clear()
         samples = list(self.profiles.items())
         try:
             self.fit = CostFit(self.layout.names, samples)

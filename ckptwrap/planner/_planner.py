@@ -159,11 +159,10 @@ class ShapePlanner:
         region = region_bytes(device, self.settings.preserve_rng_state)
         if costs.given_up:
             return Decision(costs, sizes, measure=False, region=region)
-        known = costs.costs_at(sizes)
-        if known is None:
+        source = costs.source_at(sizes)
+        if source is None:
             return Decision(costs, sizes, measure=True, region=region)
-        profile, source = known
-        choice = self._choice(costs, sizes, profile, region, strict=False, model=model)
+        choice = self._choice(costs, sizes, region, strict=False, model=model)
         check = self._schedule.due(cheap=device.type not in ("cpu", "meta")) and fresh()
         reset, self._reset = self._reset and check, self._reset and not check
         return Decision(
@@ -226,8 +225,11 @@ class ShapePlanner:
         choice, costs = decision.choice, decision.costs
         if choice is None or costs is None:
             return
-        # Above the prediction, beyond what the plan kept free for such misses.
-        share = (peak - choice.predicted_peak) / max(choice.plain_peak, 1) - decision.margin
+        # Above the prediction, beyond what the plan kept free for such misses, as a share
+        # of the largest un-checkpointed peak planned for: a miss at a short batch, far
+        # below the budget, is not taken as that share of every longer batch.
+        plain = max(choice.plain_peak, self.reference, 1)
+        share = (peak - choice.predicted_peak - decision.margin * choice.plain_peak) / plain
         if not exact and share > _MISS:
             # An accelerator's peak not raised by the step, and above the prediction: the
             # next check resets the statistics to tell.
@@ -238,7 +240,7 @@ class ShapePlanner:
         if share <= _MISS:
             self._schedule.hit()
             return
-        costs.missed(decision.sizes, share + decision.margin, decision.source)
+        costs.missed(decision.sizes, share + decision.margin * choice.plain_peak / plain, decision.source)
         self._forget_plans(costs)
         self._schedule.soon()
         note(
@@ -269,8 +271,7 @@ class ShapePlanner:
         """
         self._take_in()
         costs, sizes = self._layouts.of(args, kwargs)
-        known = costs.profiles.get(sizes)
-        if known is None:
+        if sizes not in costs.profiles:
             settings = self.settings
             with measuring(), (around() if around is not None else contextlib.nullcontext()):
                 profile = measure_inputs(
@@ -280,9 +281,8 @@ class ShapePlanner:
                 )
             costs.learn(sizes, profile)
             self._measured += 1
-            known = profile
         region = region_bytes(step_device(model, args, kwargs), self.settings.preserve_rng_state)
-        choice = self._choice(costs, sizes, known, region, strict=strict, model=model)
+        choice = self._choice(costs, sizes, region, strict=strict, model=model)
         self._schedule.soon()
         return choice
 
@@ -302,16 +302,18 @@ class ShapePlanner:
         self,
         costs: LayoutCosts,
         sizes: Sizes,
-        profile: ModelProfile,
         region: int,
         *,
         strict: bool,
         model: nn.Module,
     ) -> Choice:
+        """The plan at ``sizes``, whose costs ``costs`` knows (solved once per shape,
+        budget and margin; the profile is evaluated only to solve)."""
         settings = self.settings
         plain = self._plain.get((id(costs), sizes, region))
         if plain is None:
-            plain = self._plain[(id(costs), sizes, region)] = plain_peak(profile, settings.names, region_bytes=region)
+            plain = plain_peak(costs.profile_at(sizes), settings.names, region_bytes=region)
+            self._plain[(id(costs), sizes, region)] = plain
         budget = self._budget(plain, costs)
         kept_free = int(costs.margin * plain)
         key = (id(costs), sizes, None if budget is None else int(budget), kept_free)
@@ -324,7 +326,7 @@ class ShapePlanner:
         target = budget if budget is None or not kept_free else max(0, int(budget) - kept_free)
         try:
             choice = choose(
-                profile, settings.candidates, target,
+                costs.profile_at(sizes), settings.candidates, target,
                 describe=settings.budget.describe() if settings.budget is not None else "the budget",
                 segments=settings.segments, levels=levels, recompute=settings.recompute,
                 region_bytes=region, strict=strict,
@@ -361,7 +363,7 @@ class ShapePlanner:
             except CheckpointConfigError:
                 declared = None
             if declared is not None:
-                profile = costs.fit.profile_at(declared)
+                profile = costs.profile_at(declared)
                 self.reference = max(self.reference, plain_peak(profile, self.settings.names))
         return resolve_budget(budget, self.reference)
 

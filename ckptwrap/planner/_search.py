@@ -41,6 +41,12 @@ _APPROX_CELLS = 1 << 24
 _APPROX_OPTION_CELLS = 1 << 22
 # Memory bound (items x steps) of the choice codes kept for reconstruction.
 _MAX_CELLS = 1 << 26
+# And of all the arrays, against the budget: an entry of the axis takes about
+# _ENTRY_BYTES (its offset, scaled offset, and the cost and key of the positions open at
+# once) plus a byte or more per candidate (the codes); the arrays stay within
+# 1/_BUDGET_SHARE of the budget, on an axis of at least 1024 entries.
+_ENTRY_BYTES = 64
+_BUDGET_SHARE = 8
 # Segments are at most this long, and shorter when n x steps x length would pass the bound.
 _LONGEST_SEGMENT = 64
 _SEGMENT_CELLS = 1 << 24
@@ -156,11 +162,14 @@ class _Search:
             span = max(0, min(span, room))
         grain = math.gcd(*sizes) or 1
         n = max(1, self.n)
-        if -(-span // grain) <= min(_EXACT_STEPS, max(1024, _MAX_CELLS // n)):
+        # The solve runs inside the step it plans (a training forward's pre-hook), on the
+        # CPU in the memory the budget caps: its arrays stay within a share of the budget.
+        held = _NEVER if self.budget is None else max(1024, self.budget // (_BUDGET_SHARE * (_ENTRY_BYTES + n)))
+        if -(-span // grain) <= min(_EXACT_STEPS, max(1024, _MAX_CELLS // n), held):
             return grain, True
         extra = max(1, sum(max(0, len(ways) - 1) for ways in self.alone))
         bound = min(_APPROX_CELLS // n, _APPROX_OPTION_CELLS // extra)
-        steps = min(_APPROX_STEPS, max(1024, bound))
+        steps = min(_APPROX_STEPS, max(1024, bound), held)
         unit = max(grain, -(-span // steps))
         return unit, all(size % unit == 0 for size in sizes)
 

@@ -3,9 +3,9 @@ they ask the planner what to run (the plan solved for that shape, or the plan of
 memory with the step measured), switch the marks, and follow the step until its
 backward ends, to hand the planner what it measured.
 
-A step is followed from the forward's pre-hook, through whatever the caller does with
-the output (a loss, outputs kept alive), to the end of the backward, found by a hook on
-the outputs that queues a callback on autograd's engine. Its meter (a dispatch mode) is
+A step is followed (``_followed``) from the forward's pre-hook, through whatever the
+caller does with the output (a loss, outputs kept alive), to the end of the backward,
+found by a hook on the outputs that queues a callback on autograd's engine. Its meter (a dispatch mode) is
 on the caller's mode stack during the forward alone and goes through the backward node
 by node (``measure.StepSpan``): nothing of ckptwrap's stays on any stack between steps.
 
@@ -18,117 +18,23 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import time
-import weakref
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import _torch_private
 from .._compiling import outside_graph
 from .._errors import CheckpointConfigError
 from .._warn import note, warn
-from ..measure import SpanPeak, tensors
+from ..measure import SpanPeak
 from ..planner import Decision, Plan, PlanEntry, ShapePlanner, StepRecorder, is_measuring, step_device
 from ._clients import cache_writes_on
+from ._followed import FollowedStep
 from ._marks import PLAN_ATTRIBUTE, apply_plan, mark, named, unmark
 from ._planning import measured
 
 __all__ = ["PlanPerShape", "StepEnd", "remove_pending"]
-
-
-class _Step:
-    """One training step followed from its forward's pre-hook to the end of its backward."""
-
-    def __init__(
-        self,
-        model: nn.Module,
-        planner: ShapePlanner,
-        decision: Decision,
-        recorder: Optional[StepRecorder] = None,
-        meter: Optional[SpanPeak] = None,
-    ) -> None:
-        self.model = weakref.ref(model)
-        self.planner, self.decision = planner, decision
-        self.recorder, self.meter = recorder, meter
-        self.forward_done_ = False
-        self.started = time.perf_counter()
-        self.queued = False
-        self.ended = False
-        self.learned: Optional[Any] = None  # the profile a measured step gave
-
-    def end(self) -> None:
-        """The backward has ended (called by autograd's engine): hand the planner what
-        was measured. Never raises into the backward."""
-        if self.ended:
-            return
-        self.ended = True
-        try:
-            self.planner.timed(self.decision, time.perf_counter() - self.started)
-            if self.recorder is not None:
-                self.learned = self.recorder.finish()
-                self.planner.learned(self.decision, self.learned, self.recorder.failed)
-                self._record_measured()
-            elif self.meter is not None:
-                peak = self.meter.stop()
-                self.planner.checked(self.decision, peak, self.meter.exact)
-        except Exception as error:  # noqa: BLE001 - the caller's backward must go on
-            note(f"ckptwrap could not take in a step it followed: {type(error).__name__}: {error}")
-
-    def _record_measured(self) -> None:
-        """Give the model's plan record what the measured step showed at its shape."""
-        model, profile = self.model(), self.learned
-        record = None if model is None else model.__dict__.get(PLAN_ATTRIBUTE)
-        if profile is None or not isinstance(record, Plan) or record.pending:
-            return
-        budget, plain = self.planner.measured_plan(self.decision, profile)
-        setattr(model, PLAN_ATTRIBUTE, dataclasses.replace(
-            record, budget=budget, plain_peak=plain, activation_bytes=profile.total_activation_bytes,
-            predicted_peak=profile.step.total if profile.step is not None else None,
-        ))
-
-    def abandon(self, why: str) -> None:
-        """The step ends without a backward (none came before the next training forward,
-        or the forward raised): nothing is learned from it."""
-        if self.ended:
-            return
-        self.ended = True
-        if self.recorder is not None:
-            self.recorder.abandon(why)
-            self.planner.abandoned(self.decision)
-        elif self.meter is not None:
-            self.meter.stop()
-
-    def forward_done(self, output: Any) -> None:
-        """The forward returned: carry the meter into the backward from the output."""
-        self.forward_done_ = True
-        roots = [t for t in tensors(output) if t.requires_grad]
-        if self.recorder is not None:
-            self.recorder.forward_done(output)
-        elif self.meter is not None:
-            self.meter.leave(roots)
-        if not roots or _torch_private.queue_callback is None:
-            self.abandon("the forward gave nothing to backpropagate")
-            return
-        reached = functools.partial(_reached, weakref.ref(self))
-        for tensor in roots:
-            tensor.register_hook(functools.partial(reached, tensor.numel() == 1))
-
-    def reached(self, scalar: bool, grad: Any) -> None:
-        """The backward reached an output of the step: have it tell the step when it
-        ends. Reached first at an output other than a scalar, the loss was made outside
-        the model, where no meter counted it: the meter takes it in from here."""
-        if self.queued or self.ended:
-            return
-        self.queued = True
-        if not scalar and isinstance(grad, torch.Tensor):
-            if self.recorder is not None:
-                self.recorder.phases.loss_outside(grad)
-            elif self.meter is not None and self.meter.span is not None:
-                self.meter.span.loss_outside(grad)
-        _torch_private.queue_callback(self.end)  # type: ignore[misc]
 
 
 class PlanPerShape:
@@ -140,10 +46,11 @@ class PlanPerShape:
         self.follow_shapes = follow_shapes
         self.applied: Optional[Plan] = None  # the plan whose modules this hook marked
         self._observed = False  # whether the marks applied tell a recorder what they do
-        self._step: Optional[_Step] = None  # the step followed now
+        self._step: Optional[FollowedStep] = None  # the step followed now
         self._failed = False
         self._solved = False  # whether a plan solved from costs was applied
         self._overlapping = False  # a forward began while another's backward was pending
+        self.unfollowed = False  # whether a step's output was found to hold nothing to follow
 
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
@@ -188,7 +95,7 @@ class PlanPerShape:
             )
             self._apply(model, self._least_memory(), decision, observer=recorder)
             recorder.begin(args, kwargs)
-            self._follow(_Step(model, self.planner, decision, recorder=recorder))
+            self._follow(FollowedStep(model, self.planner, decision, recorder=recorder))
             return
         meter = None
         if decision.choice is None:  # a layout no longer measured: least memory, unmeasured
@@ -200,9 +107,9 @@ class PlanPerShape:
                 meter = SpanPeak(device, reset=decision.reset).start()
         # Followed to the end even unmetered: a forward that comes before its backward
         # must know this one's graph is still alive.
-        self._follow(_Step(model, self.planner, decision, meter=meter))
+        self._follow(FollowedStep(model, self.planner, decision, meter=meter))
 
-    def _follow(self, step: "_Step") -> None:
+    def _follow(self, step: "FollowedStep") -> None:
         self._step = step
 
     def _settle(self, training: bool) -> None:
@@ -310,15 +217,17 @@ class StepEnd:
         step = self.hook._step
         if step is None or step.forward_done_ or step.ended:
             return None
-        step.forward_done(output)
+        if not step.forward_done(output) and not self.hook.unfollowed:
+            self.hook.unfollowed = True
+            warn(
+                f"ckptwrap cannot follow the backward of {type(model).__name__}'s training "
+                f"steps: no tensor that requires grad was found in its output (a "
+                f"{type(output).__name__}; tensors are found in tuples, lists, dicts, "
+                f"dataclasses and classes registered with torch.utils._pytree). Its "
+                f"'budget:' plan learns nothing from these steps, which run under the plan "
+                f"of least memory."
+            )
         return None
-
-
-def _reached(step_ref: "weakref.ref[_Step]", scalar: bool, grad: Any) -> None:
-    step = step_ref()
-    if step is not None:
-        step.reached(scalar, grad)
-    return None
 
 
 def _fresh(model: nn.Module) -> bool:

@@ -1,9 +1,9 @@
 """``budget:`` on a Hugging Face encoder-decoder, T5, with its default KV cache.
 
 T5's decoder builds a KV cache in training too (``config.use_cache`` is True) and hands it
-to every decoder layer, which writes its keys and values into it. Profiling runs each
-candidate layer's forward more than once; those extra runs must not write the cache, just
-as a checkpointed layer's recomputation does not. The model is built tiny from a config
+to every decoder layer, which writes its keys and values into it. Under a budget no
+candidate layer writes it in training (a checkpointed layer's recomputation could not
+write it again, and which layers are checkpointed changes with the shape). The model is built tiny from a config
 (no download) and every result is compared with the un-wrapped model on the same batch.
 """
 
@@ -124,9 +124,11 @@ def _checkpointed_by_transformers(model: nn.Module, names: List[str]) -> nn.Modu
 @DROPOUTS
 @PATHS
 def test_a_step_with_the_cache_equals_transformers_own_checkpointing(transformers, path, dropout):
-    """With the cache on, checkpointed decoder layers run without it, as under transformers'
-    own gradient checkpointing; T5 rounds differently without the cache, so the reference
-    is that checkpointing, of the same layers. On the first-forward path this step plans."""
+    """With the cache on, the candidate layers run without writing it under a budget,
+    whichever the plan checkpoints (so a step's gradients never depend on the plan), as
+    transformers' own gradient checkpointing turns the cache off in training; T5 rounds
+    differently without the cache, so the reference is that checkpointing, of the same
+    layers, without the cache. On the first-forward path this step plans."""
     plain = _t5(transformers, dropout)
     wrapped = _wrap(copy.deepcopy(plain), path)
     loss = _step(wrapped, 1)
@@ -137,7 +139,7 @@ def test_a_step_with_the_cache_equals_transformers_own_checkpointing(transformer
     marked = [name for name, module in wrapped.named_modules() if "forward" in module.__dict__]
     assert marked == list(applied.names)
     reference = _checkpointed_by_transformers(copy.deepcopy(plain), list(applied.names))
-    assert torch.equal(loss, _step(reference, 1))
+    assert torch.equal(loss, _step(reference, 1, cache=False))
     _assert_same_grads(wrapped, reference)
 
 

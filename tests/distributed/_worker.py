@@ -153,22 +153,35 @@ def mismatched(strategy: str, rank: int) -> Dict[str, Any]:
     return {"budget": budget, "steps": steps, "measured": hook.planner.measurements, "params": params}
 
 
+_TIMEOUT_S = 240
+"""How long a rank waits in one collective for the other."""
+
+
 def main() -> None:
     scenarios, out_dir = json.loads(sys.argv[1]), Path(sys.argv[2])
     torch.set_num_threads(1)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     # A rank that fails alone leaves the other waiting in a collective; the timeout ends it.
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    # It is far above any wait between ranks on a loaded machine (a rank that lags behind
+    # the other by more than this is a hang, not load).
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=_TIMEOUT_S))
     results: Dict[str, Any] = {}
+    failed = None
     try:
         for scenario in scenarios:
+            if failed is not None:
+                # After a failure the ranks may no longer meet at the same collectives: a
+                # next scenario would mismatch them (gloo aborts the process on that).
+                results[scenario["name"]] = {"error": f"not run: scenario {failed!r} failed on this rank"}
+                continue
             try:
                 if scenario["strategy"].startswith("mismatched-"):
                     results[scenario["name"]] = mismatched(scenario["strategy"].split("-")[1], rank)
                 else:
                     results[scenario["name"]] = train(scenario, rank, world)
-            except Exception:  # reported by the test; the next scenario still runs
+            except Exception:  # reported by the test
                 results[scenario["name"]] = {"error": traceback.format_exc()}
+                failed = scenario["name"]
     finally:
         torch.save(results, out_dir / f"rank{rank}.pt")
         gc.collect()  # a sharded model that outlives the group can crash the process at exit

@@ -97,7 +97,7 @@ def _launch(scenarios: List[Dict[str, Any]], out_dir: Path) -> List[Dict[str, An
     outputs = []
     try:
         for process in ranks:
-            outputs.append(process.communicate(timeout=300)[0])
+            outputs.append(process.communicate(timeout=900)[0])
     finally:
         for process in ranks:
             if process.poll() is None:

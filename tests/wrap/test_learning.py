@@ -9,6 +9,7 @@ Every step is compared with the plain model on the same inputs and seed.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import random
 import sys
@@ -337,17 +338,78 @@ def test_a_loop_that_starts_keeping_more_alive_is_caught_and_planned_around():
     for _ in range(3):
         dropping(model)
     planner = _planner(model)
+    costs = next(iter(planner._layouts.values()))
     before = model.ckptwrap_plan
-    peaks = []
-    for _ in range(12):
+    # On the CPU checks are spaced to cost at most 3% of the training time: one comes
+    # within some tens of steps.
+    peaks, after_margin = [], 0
+    for _ in range(150):
         model.zero_grad(set_to_none=True)
         peaks.append(allocator_step_peak(lambda: keeping(model)))
         keeping(plain)
         assert_same(grads(model), grads(plain), "gradients")
-    costs = next(iter(planner._layouts.values()))
+        after_margin += costs.margin > 0
+        if after_margin == 3:
+            break
     assert costs.margin > 0, "no check caught the change"
     after = model.ckptwrap_plan
     assert len(after.names) >= len(before.names)
     plain.zero_grad(set_to_none=True)
     plain_peak = allocator_step_peak(lambda: keeping(plain))
     assert peaks[-1] <= after.budget + OVER * plain_peak, (peaks, after.budget)
+
+
+# --------------------------------------------------------------------------- outputs of every kind
+
+
+@dataclasses.dataclass
+class _Out:
+    loss: torch.Tensor
+    extra: Any = None
+
+
+class _Opaque:
+    """An output class nothing can open (not a container, not a dataclass, not registered)."""
+
+    def __init__(self, loss: torch.Tensor) -> None:
+        self.loss = loss
+
+
+class _Returning(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.gpt, self.kind = _gpt(), kind
+
+    def forward(self, tokens, targets):
+        loss = self.gpt(tokens, targets)
+        if self.kind == "dataclass":
+            return _Out(loss, {"nested": _Out(loss * 2)})
+        return _Opaque(loss)
+
+
+def test_a_step_is_learned_from_through_an_output_dataclass():
+    model, plain = _Returning("dataclass"), _Returning("dataclass")
+    plain.load_state_dict(model.state_dict())
+    wrap_model(model, "budget:60%")
+    for length in (64, 96, 64, 96, 80):
+        for each in (model, plain):
+            each.zero_grad(set_to_none=True)
+            torch.manual_seed(1)
+            each(*_batch(length, rows=2)).loss.backward()
+        assert_same(grads(model), grads(plain), "gradients")
+    assert 1 <= _planner(model).measurements < 5
+
+
+def test_an_output_nothing_can_open_is_said_and_trains_under_least_memory():
+    model, plain = _Returning("opaque"), _Returning("opaque")
+    plain.load_state_dict(model.state_dict())
+    wrap_model(model, "budget:60%")
+    with pytest.warns(UserWarning, match="cannot follow the backward of _Returning.*_Opaque") as caught:
+        for length in (64, 96, 64):
+            for each in (model, plain):
+                each.zero_grad(set_to_none=True)
+                torch.manual_seed(1)
+                each(*_batch(length, rows=2)).loss.backward()
+            assert_same(grads(model), grads(plain), "gradients")
+    assert sum("cannot follow" in str(w.message) for w in caught) == 1
+    assert len(model.ckptwrap_plan.names) == len(model.gpt.blocks)
