@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from typing import Iterable, Iterator
+from typing import Any, Callable, ContextManager, Iterable, Iterator
 
 import torch
 
@@ -52,21 +52,7 @@ def dispatch_cost() -> float:
     corrected by it (times only rank plans; bytes are exact)."""
     from ._phases import PhaseMeter  # the meter whose cost this is
 
-    x = torch.zeros(1)
-
-    def work() -> float:
-        start = time.perf_counter()
-        value = x
-        for _ in range(_CALIBRATION_OPS):
-            value = value + 1.0
-        return time.perf_counter() - start
-
-    work()
-    plain = min(work() for _ in range(3))
-    meter = PhaseMeter(torch.device("cpu"))
-    with meter:
-        metered = min(work() for _ in range(3))
-    return max(0.0, (metered - plain) / _CALIBRATION_OPS)
+    return _added_per_op(lambda: PhaseMeter(torch.device("cpu")))
 
 
 @functools.lru_cache(maxsize=1)
@@ -79,6 +65,11 @@ def selective_cost() -> float:
     def nothing(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
         return CheckpointPolicy.PREFER_RECOMPUTE
 
+    return _added_per_op(lambda: create_selective_checkpoint_contexts(nothing)[0])
+
+
+def _added_per_op(context: Callable[[], ContextManager[Any]]) -> float:
+    """Seconds the context made by ``context()`` adds to one tiny CPU operator."""
     x = torch.zeros(1)
 
     def work() -> float:
@@ -90,7 +81,6 @@ def selective_cost() -> float:
 
     work()
     plain = min(work() for _ in range(3))
-    forward, _ = create_selective_checkpoint_contexts(nothing)
-    with forward:
-        selective = min(work() for _ in range(3))
-    return max(0.0, (selective - plain) / _CALIBRATION_OPS)
+    with context():
+        inside = min(work() for _ in range(3))
+    return max(0.0, (inside - plain) / _CALIBRATION_OPS)
