@@ -61,11 +61,11 @@ def schedule(arch: Any, loop: str, steps: int, seed: int = 0) -> List[List[Step]
     return plan
 
 
-def budget_for(arch: Any, model: nn.Module) -> int:
+def budget_for(arch: Any, model: nn.Module, device: str = "cpu") -> int:
     """Bytes halfway between the least peak any plan reaches and the plain peak, at the
     longest length, as the planner predicts both on a copy: in reach at every shape, and
     below the plain peak at the longest, so that long batches checkpoint."""
-    batch = _inputs(model, arch, (4, arch.lengths[1], 0, False))
+    batch = _inputs(model, arch, (4, arch.lengths[1], 0, False), device)
     every = ckptwrap.plan(copy.deepcopy(model), arch.candidates or "blocks", example_kwargs=batch)
     return (every.predicted_peak + every.plain_peak) // 2
 
@@ -74,22 +74,28 @@ def _policy(arch: Any, budget: int) -> str:
     return ";".join(filter(None, (arch.candidates, f"budget:{budget}B")))
 
 
-def _inputs(model: nn.Module, arch: Any, forward: Step) -> Dict[str, Any]:
+def _inputs(model: nn.Module, arch: Any, forward: Step, device: str = "cpu") -> Dict[str, Any]:
     """One forward's inputs. A model that would write a KV cache in training runs without
     (``use_cache=False``), as transformers' own gradient checkpointing runs it and as a
     checkpointed layer must (its recomputation cannot write the cache again): with the
     cache on, the plain model takes other kernels at some lengths, and gradients that
     differ in the last bit from the checkpointed model's would say nothing of ckptwrap."""
-    batch = arch.batch(*forward)
+    batch = _on(arch.batch(*forward), device)
     if "use_cache" in inspect.signature(type(model).forward).parameters:
         batch["use_cache"] = False
     return batch
 
 
-def _forward(model: nn.Module, arch: Any, forward: Step, held: bool, batch: Optional[Dict[str, Any]] = None) -> torch.Tensor:
+def _on(batch: Dict[str, Any], device: str) -> Dict[str, Any]:
+    return {key: value.to(device) if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
+
+
+def _forward(
+    model: nn.Module, arch: Any, forward: Step, held: bool, batch: Optional[Dict[str, Any]] = None, device: str = "cpu",
+) -> torch.Tensor:
     """One forward and backward; ``batch``, if given, made beforehand (as a loop's collator
     makes it before the step)."""
-    batch = _inputs(model, arch, forward) if batch is None else batch
+    batch = _inputs(model, arch, forward, device) if batch is None else batch
     torch.manual_seed(forward[2])  # the same dropout in every model
     if held:
         out = model(**batch)
@@ -102,10 +108,10 @@ def _forward(model: nn.Module, arch: Any, forward: Step, held: bool, batch: Opti
     return loss.detach()
 
 
-def _evaluate(model: nn.Module, arch: Any, seed: int) -> None:
+def _evaluate(model: nn.Module, arch: Any, seed: int, device: str = "cpu") -> None:
     """An evaluation forward, and a few generated tokens where the model generates."""
     model.eval()
-    batch = arch.batch(2, arch.lengths[0], seed, False)
+    batch = _on(arch.batch(2, arch.lengths[0], seed, False), device)
     ids, mask = batch.get("input_ids"), batch.get("attention_mask")
     with torch.no_grad():
         model(**batch)
@@ -114,13 +120,15 @@ def _evaluate(model: nn.Module, arch: Any, seed: int) -> None:
     model.train()
 
 
-def train_step(model: nn.Module, arch: Any, loop: str, forwards: List[Step], index: int, optimizer: Any) -> List[torch.Tensor]:
+def train_step(
+    model: nn.Module, arch: Any, loop: str, forwards: List[Step], index: int, optimizer: Any, device: str = "cpu",
+) -> List[torch.Tensor]:
     """One optimizer step of ``loop``: its forwards and backwards from fresh gradients."""
     optimizer.zero_grad(set_to_none=True)
-    losses = [_forward(model, arch, forward, held=loop != "loss") for forward in forwards]
+    losses = [_forward(model, arch, forward, held=loop != "loss", device=device) for forward in forwards]
     optimizer.step()
     if loop == "accumulate" and (index + 1) % EVAL_EVERY == 0:
-        _evaluate(model, arch, index)
+        _evaluate(model, arch, index, device)
     return losses
 
 
@@ -136,31 +144,53 @@ class MemoryResult:
     checked: int = 0
     error: Optional[str] = None
     unchanged: bool = True
+    worst_prediction: float = 0.0
+    """The largest miss of a solved step's predicted peak, either way, as a share of the
+    plain peak at the largest shape so far, as ``worst_over`` is (steps from fresh
+    gradients: a later micro-batch's step adds to gradients already there, and peaks lower
+    than planned)."""
+    worst_under: float = 0.0
+    """The largest share (of the same) by which a solved step's peak passed its prediction."""
 
 
-def memory_pass(arch: Any, loop: str, steps: int) -> MemoryResult:
+def memory_pass(arch: Any, loop: str, steps: int, device: str = "cpu") -> MemoryResult:
     """Train the budget and the plain model side by side; every forward and backward read
     at the allocator (around each micro-step, from fresh or accumulated gradients)."""
-    template = arch.build()
+    template = arch.build().to(device)
     plain = copy.deepcopy(template)
     model = copy.deepcopy(template)
     result = MemoryResult(0)
+    if torch.device(device).type != "cpu":
+        _warm(device)
     try:
-        result.budget = budget_for(arch, template)
+        result.budget = budget_for(arch, template, device)
         ckptwrap.wrap_model(model, _policy(arch, result.budget))
+        hook = next(h for h in model._forward_pre_hooks.values() if hasattr(h, "planner"))
         optimizers = [torch.optim.SGD(m.parameters(), lr=_LR) for m in (model, plain)]
         largest = 0
         for index, forwards in enumerate(schedule(arch, loop, steps)):
             for each, optimizer in zip((model, plain), optimizers):
                 optimizer.zero_grad(set_to_none=True)
-            for forward in forwards:
+            for micro, forward in enumerate(forwards):
                 losses, peaks = [], []
                 for each in (model, plain):
                     # The batch is made before the step, outside what its peak counts.
-                    batch = _inputs(each, arch, forward)
-                    peaks.append(allocator_peak(lambda: losses.append(_forward(each, arch, forward, loop != "loss", batch))))
-                    del batch
+                    batch = _inputs(each, arch, forward, device)
+
+                    def step(each: nn.Module = each, batch: Dict[str, Any] = batch, forward: Step = forward) -> None:
+                        losses.append(_forward(each, arch, forward, loop != "loss", batch))
+
+                    peaks.append(allocator_peak(step, device))
+                    del batch, step
+                if peaks[1] <= 0:
+                    raise RuntimeError("the allocator's events showed nothing allocated in a plain training step")
                 largest = max(largest, peaks[1])
+                followed = hook._step
+                solved = followed is not None and not followed.decision.measure and followed.decision.choice is not None
+                if solved and micro == 0:  # from fresh gradients, as plans are made for
+                    missed = (peaks[0] - followed.decision.choice.predicted_peak) / max(largest, 1)
+                    result.worst_prediction = max(result.worst_prediction, abs(missed))
+                    result.worst_under = max(result.worst_under, missed)
                 over = (peaks[0] - result.budget) / max(largest, 1)
                 result.worst_over = max(result.worst_over, over)
                 result.steps_over += over > OVER
@@ -169,9 +199,8 @@ def memory_pass(arch: Any, loop: str, steps: int) -> MemoryResult:
                 optimizer.step()
             if loop == "accumulate" and (index + 1) % EVAL_EVERY == 0:
                 for each in (model, plain):
-                    _evaluate(each, arch, index)
-        planner = next(h for h in model._forward_pre_hooks.values() if hasattr(h, "planner")).planner
-        result.measured, result.checked = planner.measurements, planner.checks
+                    _evaluate(each, arch, index, device)
+        result.measured, result.checked = hook.planner.measurements, hook.planner.checks
         result.unchanged = _same_model(model, plain)
     except Exception as error:  # noqa: BLE001 - reported in the table
         result.error = f"{type(error).__name__}: {error}"[:200]
@@ -188,9 +217,9 @@ class TimeResult:
         return self.budget_s / self.blocks_s
 
 
-def time_pass(arch: Any, loop: str, steps: int, budget: int) -> TimeResult:
+def time_pass(arch: Any, loop: str, steps: int, budget: int, device: str = "cpu") -> TimeResult:
     """The budget and ``blocks`` taking turns step by step, nothing metered."""
-    template = arch.build()
+    template = arch.build().to(device)
     models = {"budget": ckptwrap.wrap_model(copy.deepcopy(template), _policy(arch, budget)),
               "blocks": ckptwrap.wrap_model(copy.deepcopy(template), arch.candidates or "blocks")}
     optimizers = {name: torch.optim.SGD(m.parameters(), lr=_LR) for name, m in models.items()}
@@ -198,10 +227,29 @@ def time_pass(arch: Any, loop: str, steps: int, budget: int) -> TimeResult:
     for index, forwards in enumerate(schedule(arch, loop, steps)):
         order = list(models) if index % 2 == 0 else list(reversed(list(models)))
         for name in order:
+            _synchronize(device)
             start = time.perf_counter()
-            train_step(models[name], arch, loop, forwards, index, optimizers[name])
+            train_step(models[name], arch, loop, forwards, index, optimizers[name], device)
+            _synchronize(device)
             totals[name] += time.perf_counter() - start
     return TimeResult(totals["budget"], totals["blocks"])
+
+
+def _warm(device: str) -> None:
+    """What a process allocates once on an accelerator, allocated before anything is
+    measured: the profiler's first start, and cuBLAS's workspaces for the forward's thread
+    and for the backward's (autograd runs it on a thread of its own, with its own handle).
+    Else the first plan's measured step holds them, and the budget made from it is high."""
+    def matmuls() -> None:
+        weight = torch.ones(8, 8, device=device, requires_grad=True)
+        (weight @ weight).sum().backward()
+
+    allocator_peak(matmuls, device)
+
+
+def _synchronize(device: str) -> None:
+    if torch.device(device).type != "cpu":
+        torch.accelerator.synchronize()
 
 
 def _same_grads(model: nn.Module, plain: nn.Module) -> bool:

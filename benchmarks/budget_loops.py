@@ -21,10 +21,18 @@ inputs, as a training script does.
   cost of metering a measured step's operators outweighs it; ``--width 8`` (hidden sizes
   of 256) times models whose operators do some work.
 - "measured" / "checked": the steps the planner measured (under the plan of least
-  memory), and those it metered against their prediction.
+  memory), and those it metered against their prediction; "pred": the largest miss of a
+  solved step's predicted peak, either way, in % of the plain peak at the largest shape so
+  far (steps from fresh gradients; a short batch's peak far below the budget is often
+  predicted high, from a fit made at longer ones, at no cost).
+
+``--device cuda`` runs it all on that device (read at the CUDA allocator through the same
+profiler events; deterministic kernels and math attention, so that "exact" can hold there
+too).
 
     python benchmarks/budget_loops.py [--steps 48] [--only NAME,...] [--loops loss,...]
                                       [--width 1] [--no-time | --no-memory] [--markdown FILE]
+                                      [--device cuda]
 """
 
 from __future__ import annotations
@@ -59,20 +67,20 @@ def architectures(width: int = 1) -> Dict[str, Any]:
     return found
 
 
-def run(arch: Any, loop: str, steps: int, timed: bool, metered: bool = True) -> Dict[str, Any]:
+def run(arch: Any, loop: str, steps: int, timed: bool, metered: bool = True, device: str = "cpu") -> Dict[str, Any]:
     start = time.perf_counter()
     row: Dict[str, Any] = {"name": arch.name, "family": arch.family, "loop": loop}
     if metered:
-        memory = row["memory"] = memory_pass(arch, loop, steps)
+        memory = row["memory"] = memory_pass(arch, loop, steps, device)
         budget, error = memory.budget, memory.error
     else:
         try:
-            budget, error = budget_for(arch, arch.build()), None
+            budget, error = budget_for(arch, arch.build().to(device), device), None
         except Exception as failure:  # noqa: BLE001 - reported in the table
             budget, error = 0, f"{type(failure).__name__}: {failure}"[:200]
     row["error"] = error
     if timed and error is None:
-        row["time"] = time_pass(arch, loop, steps, budget)
+        row["time"] = time_pass(arch, loop, steps, budget, device)
     row["seconds"] = time.perf_counter() - start
     return row
 
@@ -89,18 +97,19 @@ def ok(row: Dict[str, Any]) -> bool:
 def line(row: Dict[str, Any]) -> List[str]:
     memory, timing = row.get("memory"), row.get("time")
     if row["error"] is not None:
-        return [row["name"], row["family"], row["loop"], "-", "-", "-", "-", "-", "-", "ERROR " + row["error"]]
+        return [row["name"], row["family"], row["loop"], "-", "-", "-", "-", "-", "-", "-", "ERROR " + row["error"]]
     ratio = "-" if timing is None else f"{timing.ratio:.2f}"
     if memory is None:
-        return [row["name"], row["family"], row["loop"], "-", "-", "-", ratio, "-", "-", "ok" if ok(row) else "MISSED"]
+        return [row["name"], row["family"], row["loop"], "-", "-", "-", ratio, "-", "-", "-", "ok" if ok(row) else "MISSED"]
     return [
         row["name"], row["family"], row["loop"],
         f"{100 * memory.worst_over:.1f}%", "yes" if memory.exact else "NO", "yes" if memory.unchanged else "NO",
-        ratio, str(memory.measured), str(memory.checked), "ok" if ok(row) else "MISSED",
+        ratio, str(memory.measured), str(memory.checked), f"{100 * memory.worst_prediction:.1f}%",
+        "ok" if ok(row) else "MISSED",
     ]
 
 
-HEADER = ["model", "family", "loop", "over", "exact", "same", "vs blocks", "measured", "checked", ""]
+HEADER = ["model", "family", "loop", "over", "exact", "same", "vs blocks", "measured", "checked", "pred", ""]
 
 
 def table(rows: List[List[str]]) -> str:
@@ -129,8 +138,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     )
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--markdown", help="also write the table as markdown to this file")
+    parser.add_argument("--device", default="cpu", help="where the models train (default cpu)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if torch.device(args.device).type == "cuda":
+        # Deterministic kernels, so that the budget model's gradients can equal the plain
+        # model's bit for bit: cuBLAS reads its setting when it starts, and attention runs
+        # on the math kernels (the fused ones' backwards add in no fixed order).
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        for fused in ("flash", "mem_efficient", "cudnn"):
+            getattr(torch.backends.cuda, f"enable_{fused}_sdp")(False)
     found = architectures(args.width)
     names = args.only.split(",") if args.only else list(found)
     unknown = [name for name in names if name not in found]
@@ -141,7 +159,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     start = time.perf_counter()
     for name in names:
         for loop in loops:
-            row = run(found[name], loop, args.steps, timed=not args.no_time, metered=not args.no_memory)
+            row = run(found[name], loop, args.steps, timed=not args.no_time, metered=not args.no_memory, device=args.device)
             rows.append(line(row))
             met += ok(row)
             print("  ".join(rows[-1]), f"({row['seconds']:.0f} s)", flush=True)
@@ -150,7 +168,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     total = len(rows)
     print(
         f"\n{len(names)} models (widths x{args.width}) x {len(loops)} loops, {args.steps} steps each, "
-        f"in {time.perf_counter() - start:.0f} s"
+        f"on {args.device}, in {time.perf_counter() - start:.0f} s"
     )
     print(f"targets (over <= {100 * OVER:.0f}%, exact, same, vs blocks <= {TIME_TARGET:.2f}): {met} of {total} met")
     if args.markdown:

@@ -87,7 +87,7 @@ class _SavedInputs:
         if isinstance(self._saved, list):
             tensors = iter([saved.unpack() for saved in self._saved])
         else:
-            tensors = iter(self._saved.saved_tensors[1:])  # after the anchor
+            tensors = iter(self._saved.grad_fn.saved_tensors[1:])  # after the anchor
         leaves = [next(tensors) if item is _SLOT else item for item in self._items]
         if self._spec is None:
             return tuple(leaves), {}
@@ -111,12 +111,12 @@ class _SaveInputs(torch.autograd.Function):
         raise RuntimeError("the node that keeps a region's inputs is never differentiated")
 
 
-def _save_through_function(tensors: List[torch.Tensor]) -> Any:
-    """The graph node of a no-op Function that saved ``tensors``; an anchor that requires
-    grad makes autograd record the node whatever the tensors require."""
+def _save_through_function(tensors: List[torch.Tensor]) -> torch.Tensor:
+    """The empty output of a no-op Function that saved ``tensors``, kept rather than its
+    node (``grad_fn``), whose Python object does not keep it alive before torch 2.12."""
     with torch.enable_grad():
         anchor = torch.empty((0,), requires_grad=True)
-        return _SaveInputs.apply(anchor, *tensors).grad_fn
+        return _SaveInputs.apply(anchor, *tensors)
 
 
 def _is_simple(value: Any) -> bool:

@@ -25,10 +25,10 @@ from ..policy import resolve_ops
 
 __all__ = ["SavedInstances", "SelectiveContexts"]
 
-# torch's own two modes, which create_selective_checkpoint_contexts pairs over one storage;
-# the recomputation's is extended to name what its bare error leaves out. Private: a torch
+# torch's recomputation mode (create_selective_checkpoint_contexts pairs it with its caching one);
+# extended to name what its bare error leaves out. Private: a torch
 # without them gets its own contexts, and its own bare error (see _torch_private).
-_CachingTorchDispatchMode, _CachedTorchDispatchMode = _torch_private.sac_modes or (None, None)
+_CachedTorchDispatchMode = (_torch_private.sac_modes or (None, None))[1]
 
 
 class _ByValue(functools.partial):
@@ -170,24 +170,28 @@ _MUTATED = "Tensor cached during selective activation checkpoint has been mutate
 
 def _contexts(policy: Any) -> Tuple[ContextManager, ContextManager]:
     """The forward's and the recomputation's context of selective checkpointing under
-    ``policy``, as ``create_selective_checkpoint_contexts(policy)`` makes them."""
-    if _CachedTorchDispatchMode is None:
-        return create_selective_checkpoint_contexts(policy)
-    storage: Dict[Any, Dict[int, Any]] = defaultdict(dict)
-    return _CachingTorchDispatchMode(policy, storage), _Recomputation(storage, policy)
+    ``policy``: torch's own (``create_selective_checkpoint_contexts(policy)``, so that
+    their storage and arguments are those of the installed torch, which changed between
+    releases), the recomputation's turned into ours, which names the module and operator
+    when a saved output was changed in place."""
+    forward, recompute = create_selective_checkpoint_contexts(policy)
+    if _CachedTorchDispatchMode is not None and type(recompute) is _CachedTorchDispatchMode:
+        recompute.__class__ = _Recomputation
+        recompute._policy = policy
+    return forward, recompute
 
 
 class _Recomputation(_CachedTorchDispatchMode or object):  # type: ignore[misc]
     """torch's recomputation mode, whose bare error for a saved output that was changed in
     place becomes a ``CheckpointError`` naming the module, the operator and the fix.
 
-    The error is converted as it leaves the mode, from its traceback, so operators that
-    run normally pay nothing for it.
+    Never constructed: torch makes the mode and :func:`_contexts` gives it this class (and
+    the policy, ``_policy``), so that its state is whatever the installed torch keeps. The
+    error is converted as it leaves the mode, from its traceback, so operators that run
+    normally pay nothing for it.
     """
 
-    def __init__(self, storage: Dict[Any, Dict[int, Any]], policy: Any) -> None:
-        super().__init__(None, storage)
-        self._policy = policy
+    _policy: Any
 
     def __exit__(
         self,

@@ -38,9 +38,12 @@ _SHARED = (
 class CheckpointWrapper(nn.Module):
     """Run ``module`` as a checkpointed region, with the same state_dict keys as ``module``.
 
-    Attribute access, indexing, ``len`` and iteration reach the wrapped module. A state
-    dict saved from the wrapper, from the bare module or from torch's
-    ``checkpoint_wrapper`` loads into either.
+    Attribute access reaches the wrapped module, and so do indexing, ``len`` and
+    iteration where the wrapped module has them (a ``Sequential`` or ``ModuleList``: the
+    wrapper is then of a subclass that has them too, so that tools that ask any module
+    with ``__len__`` for its length, as ``torch.compile`` before torch 2.12 does, never
+    meet a wrapper without one). A state dict saved from the wrapper, from the bare module
+    or from torch's ``checkpoint_wrapper`` loads into either.
 
     Args:
         module: The module to checkpoint.
@@ -52,6 +55,12 @@ class CheckpointWrapper(nn.Module):
     Example:
         >>> layers = nn.ModuleList(CheckpointWrapper(Block()) for _ in range(12))
     """
+
+    def __new__(cls, module: Any = None, **options: Any) -> "CheckpointWrapper":
+        # Without arguments: copy and pickle make the object again, of its own class.
+        if cls is CheckpointWrapper and hasattr(type(module), "__len__"):
+            cls = _SequenceWrapper
+        return super().__new__(cls)
 
     def __init__(self, module: nn.Module, **options: Any) -> None:
         if not isinstance(module, nn.Module):
@@ -104,15 +113,6 @@ class CheckpointWrapper(nn.Module):
                 raise
             return getattr(module, name)
 
-    def __getitem__(self, index: Any) -> Any:
-        return self.wrapped_module[index]  # type: ignore[index]
-
-    def __len__(self) -> int:
-        return len(self.wrapped_module)  # type: ignore[arg-type]
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self.wrapped_module)  # type: ignore[call-overload]
-
     def __dir__(self) -> List[str]:
         return sorted(set(super().__dir__()) | set(dir(self.wrapped_module)))
 
@@ -126,6 +126,20 @@ class CheckpointWrapper(nn.Module):
         inner = textwrap.indent(repr(self.wrapped_module), "  ")
         tail = f",\n  {shown}" if shown else ""
         return f"CheckpointWrapper(\n{inner}{tail}\n)"
+
+
+class _SequenceWrapper(CheckpointWrapper):
+    """A :class:`CheckpointWrapper` of a module with a length (``Sequential``,
+    ``ModuleList``...): indexing, ``len`` and iteration reach the wrapped module."""
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.wrapped_module[index]  # type: ignore[index]
+
+    def __len__(self) -> int:
+        return len(self.wrapped_module)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.wrapped_module)  # type: ignore[call-overload]
 
 
 def refuse_torchscript(module: nn.Module, where: str, name: str) -> None:

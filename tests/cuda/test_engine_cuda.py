@@ -151,7 +151,7 @@ def test_cpu_only_work_never_initializes_cuda():
             model = ckptwrap.wrap_model(GPT(config), policy)
             with measure_peak("cpu"):
                 model(*batch).backward()
-        model = ckptwrap.wrap_model(GPT(config), "budget:50%", example_inputs=batch)
+        model = ckptwrap.wrap_model(GPT(config), "budget:90%", example_inputs=batch)
         model(*batch).backward()
         print("initialized", torch.cuda.is_initialized())
         """

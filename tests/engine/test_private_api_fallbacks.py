@@ -66,6 +66,8 @@ LOOKUPS = [
 
 @pytest.mark.parametrize("owner, name, holds", [pytest.param(*entry, id=entry[1]) for entry in LOOKUPS])
 def test_lookup_falls_back_where_torch_lacks_the_name(owner: str, name: str, holds: Callable[[Any], bool]):
+    if not hasattr(_module(owner), name):
+        pytest.skip(f"this torch ({torch.__version__}) has no {owner}.{name}: its fallback is in use already")
     with _torch_without(_module(owner), name) as looked_up:
         assert holds(looked_up), f"without {owner}.{name}"
         assert f"{owner}.{name}" in looked_up.fallbacks_in_use()
@@ -78,10 +80,15 @@ def test_without_the_end_of_backward_callback_no_task_is_used():
         assert looked_up.graph_task_id() == -1
 
 
+_BEFORE_2_12 = tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 12)
+
+
 def test_every_name_resolves_on_this_torch():
-    """On the torch the suite runs (2.13), no fallback is in use."""
-    assert _torch_private.fallbacks_in_use() == []
-    assert _torch_private.make_saved_tensor is not None
+    """On the torch the suite runs (2.13), no fallback is in use; on torch 2.11, only the
+    one for ``_make_saved_tensor`` (added in 2.12)."""
+    expected = ["torch._C._autograd._make_saved_tensor"] if _BEFORE_2_12 else []
+    assert _torch_private.fallbacks_in_use() == expected
+    assert (_torch_private.make_saved_tensor is None) == _BEFORE_2_12
     assert _torch_private.graph_exec_group is torch._C._get_graph_exec_group
     assert _torch_private.sac_modes is not None
     assert _torch_private.pytree_nodes is torch.utils._pytree.SUPPORTED_NODES
@@ -205,4 +212,4 @@ def test_default_device_context_is_replayed_only_where_it_can_be_found(fallbacks
         with torch.device("cpu"):
             x = torch.randn(3, requires_grad=True)
             ckptwrap.checkpoint(region, x, use_reentrant=False).sum().backward()
-        assert torch.equal(x.grad, torch.ones(3))
+        assert torch.equal(x.grad, torch.ones_like(x))

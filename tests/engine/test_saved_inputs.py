@@ -44,3 +44,18 @@ def test_an_input_changed_in_place_before_backward_is_reported():
     h.add_(1.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
+
+
+def test_what_is_kept_holds_the_node_alive():
+    """On torch before 2.12 a Function's node lives only while a tensor or a graph edge
+    holds it (its Python object does not), and its saved tensors cannot be read once it
+    died: what a region keeps must be a tensor whose ``grad_fn`` is the node, so that the
+    node lives as long as the region. (On this torch the node's Python object would keep
+    it alive too; the test pins the holding, which the CUDA run on torch 2.11 needed.)"""
+    x = torch.randn(3, 4, requires_grad=True)
+    kept = _nonreentrant._SavedInputs((x, 2.0), {})
+    held = kept._saved
+    assert isinstance(held, torch.Tensor) and held.numel() == 0
+    assert type(held.grad_fn).__name__.startswith("_SaveInputs")
+    args, kwargs = kept.restore()
+    assert args[0] is x and args[1] == 2.0 and kwargs == {}

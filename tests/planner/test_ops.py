@@ -141,7 +141,8 @@ class _Seen:
 
     def __call__(self):
         def policy(ctx, op, *args, **kwargs):
-            self.policy.append(op.overloadpacket.__name__)
+            if not ctx.is_recompute:  # torch before 2.12 asks again as it recomputes
+                self.policy.append(op.overloadpacket.__name__)
             return CheckpointPolicy.PREFER_RECOMPUTE
 
         forward, recompute = create_selective_checkpoint_contexts(policy)

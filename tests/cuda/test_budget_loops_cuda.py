@@ -1,0 +1,86 @@
+"""A lazy ``budget:`` in the loops people write, on CUDA: the loops of
+``benchmarks/_budget_loops`` (outputs held through the backward; right-padded masks with
+changing batch sizes and lengths; accumulation with evaluation and ``generate`` between)
+on Hugging Face models built from their configs, four times as wide as the catalogue's.
+
+Every micro-step of the budget model and of the plain model trained beside it is read
+through ``torch.profiler``'s CUDA allocator events (not the peak statistics that the
+planner reads and resets): no step may peak above the budget by more than 3% of the plain
+peak at the largest shape so far, every loss and gradient must equal the plain model's
+bit for bit (deterministic kernels, math attention), the model must be left as plain training left it,
+and no solved step may peak above its prediction by more than 5% of the plain peak at the
+largest shape so far (a prediction above the peak costs recomputation, not memory; the
+benchmark reports both ways).
+
+Without CUDA every test here is skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from _cuda_helpers import requires_cuda
+
+pytest.importorskip("transformers")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from _architectures import ARCHITECTURES, available, widened  # noqa: E402
+from _budget_loops import OVER, memory_pass, schedule  # noqa: E402
+
+pytestmark = requires_cuda
+
+STEPS = 12
+WIDTH = 4
+PREDICTION = 0.05
+"""A solved step's peak at the allocator may pass its prediction by this share of the
+plain peak at the largest shape so far."""
+CASES = [("gpt2", "padded"), ("llama", "padded"), ("llama", "held"), ("bert", "padded"), ("t5", "accumulate"),
+         ("whisper", "held"), ("swin", "held")]
+UNSETTLED = {
+    ("whisper", "held"): "on an H100 with torch 2.11 its gradients equalled the plain model's in one run and "
+    "not in the next (math attention in the second); whether a kernel or ckptwrap differs is not settled",
+}
+
+
+def _cases():
+    found = set(available())
+    return [
+        pytest.param(
+            name, loop, id=f"{name}-{loop}",
+            marks=[pytest.mark.xfail(reason=UNSETTLED[name, loop], strict=False)] if (name, loop) in UNSETTLED else [],
+        )
+        for name, loop in CASES if name in found
+    ]
+
+
+@pytest.fixture(autouse=True)
+def _math_attention():
+    """Attention on the math kernels, whose backward adds in a fixed order (the fused
+    kernels' do not, so two plain runs could differ)."""
+    switches = ("flash", "mem_efficient", "cudnn")
+    before = {name: getattr(torch.backends.cuda, f"{name}_sdp_enabled")() for name in switches}
+    for name in switches:
+        getattr(torch.backends.cuda, f"enable_{name}_sdp")(False)
+    yield
+    for name, enabled in before.items():
+        getattr(torch.backends.cuda, f"enable_{name}_sdp")(enabled)
+
+
+@pytest.mark.parametrize("name, loop", _cases())
+def test_budget_holds_on_cuda_in_the_loops_people_write(name, loop):
+    arch = widened(ARCHITECTURES[name], WIDTH)
+    result = memory_pass(arch, loop, STEPS, device="cuda")
+    assert result.error is None, result.error
+    assert result.worst_over <= OVER, f"a step peaked {result.worst_over:.1%} of plain above the budget"
+    assert result.exact, "a loss or gradient differs from the plain model's"
+    assert result.unchanged, "planning left the model changed"
+    forwards = sum(len(step) for step in schedule(arch, loop, STEPS))
+    assert 1 <= result.measured < forwards, f"{result.measured} of {forwards} forwards measured"
+    assert result.worst_under <= PREDICTION, (
+        f"a solved step peaked {result.worst_under:.1%} of plain above its prediction"
+    )
