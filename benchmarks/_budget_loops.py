@@ -30,7 +30,7 @@ from torch import nn
 import ckptwrap
 from _allocator import allocator_peak
 
-__all__ = ["LOOPS", "MemoryResult", "TimeResult", "budget_for", "memory_pass", "schedule", "time_pass"]
+__all__ = ["LOOPS", "MemoryResult", "TimeResult", "budget_for", "memory_pass", "schedule", "shortfalls", "time_pass"]
 
 LOOPS = ("loss", "held", "padded", "accumulate")
 OVER = 0.03
@@ -151,6 +151,23 @@ class MemoryResult:
     than planned)."""
     worst_under: float = 0.0
     """The largest share (of the same) by which a solved step's peak passed its prediction."""
+
+
+def shortfalls(result: MemoryResult, arch: Any, loop: str, steps: int) -> List[str]:
+    """What a memory pass of ``steps`` steps fell short of, in words (none: it held)."""
+    if result.error is not None:
+        return [result.error]
+    found = []
+    if result.worst_over > OVER:
+        found.append(f"a step peaked {result.worst_over:.1%} of plain above the budget")
+    if not result.exact:
+        found.append("a loss or gradient differs from the plain model's")
+    if not result.unchanged:
+        found.append("planning left the model changed")
+    forwards = sum(len(step) for step in schedule(arch, loop, steps))
+    if not 1 <= result.measured < forwards:
+        found.append(f"{result.measured} of {forwards} forwards measured")
+    return found
 
 
 def memory_pass(arch: Any, loop: str, steps: int, device: str = "cpu") -> MemoryResult:
