@@ -112,8 +112,8 @@ def parse_policy(spec: str) -> Policy:
     blocks if there is no set term). Whitespace around terms and values is ignored;
     keywords and class names are case-sensitive. ``none`` with other terms selects
     nothing (the others are still checked against the model, so typos surface).
-    ``budget:X`` (choose among the candidates from measured costs so activation memory
-    fits X), ``recompute``, ``selective[:OP,...]`` and ``offload`` (how the chosen modules
+    ``budget:X`` (choose among the candidates from measured costs so that the training
+    step's peak fits X), ``recompute``, ``selective[:OP,...]`` and ``offload`` (how the chosen modules
     save memory) join with ``;`` only; :func:`ckptwrap.plan` acts on them. A budget plan
     may recompute a module whole or save some of its operators' outputs (a selective
     level), whichever costs less time; ``recompute`` limits it to whole modules

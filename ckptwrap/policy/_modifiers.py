@@ -11,6 +11,7 @@ chosen modules.
 from __future__ import annotations
 
 import dataclasses
+import fractions
 import math
 import re
 from typing import Optional, Tuple
@@ -34,7 +35,7 @@ _UNITS = {
     "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40,
     "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 }
-_AMOUNT = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*(%|[A-Za-z]+)")
+_AMOUNT = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE]([+-]?[0-9]+))?\s*(%|[A-Za-z]+)")
 
 DEFAULT_SELECTIVE_OPS: Tuple[str, ...] = (
     "mm",
@@ -56,9 +57,10 @@ class _Modifier(_Picker):
 
 @dataclasses.dataclass(frozen=True)
 class Budget(_Modifier):
-    """``budget:X``: checkpoint the candidates that fit activation memory into X at the
-    least recompute time; X is ``NN%`` of the un-checkpointed activation memory or an
-    amount of bytes such as ``512MiB`` or ``2GiB``."""
+    """``budget:X``: checkpoint the candidates so that the training step's peak fits X at
+    the least recompute time; X is ``NN%`` of the un-checkpointed step's peak (at the
+    largest shape planned so far) or an amount of bytes such as ``512MiB``, ``2GiB`` or
+    ``1.5e9B``."""
 
     amount: str
     """The budget as written, e.g. ``"40%"`` or ``"512MiB"``."""
@@ -70,7 +72,7 @@ class Budget(_Modifier):
         return f"budget:{self.amount}"
 
     def parsed(self) -> Tuple[Optional[float], Optional[int]]:
-        """(fraction of the un-checkpointed activation memory, None) or (None, bytes).
+        """(fraction of the un-checkpointed step's peak, None) or (None, bytes).
 
         Raises:
             CheckpointConfigError: If the amount is malformed, or out of range: a
@@ -79,29 +81,51 @@ class Budget(_Modifier):
         """
         text = str(self.amount).strip()
         match = _AMOUNT.fullmatch(text)
-        unit = match.group(2).upper() if match else ""
+        unit = match.group(3).upper() if match else ""
         if not match or (unit != "%" and unit not in _UNITS):
             raise CheckpointConfigError(
                 f"budget:{abbreviate(text)} is malformed: write a percentage of the "
-                f"un-checkpointed activation memory such as budget:40%, or an amount such as "
-                f"budget:512MiB or budget:2GiB (units: {', '.join(_unit_names())})"
+                f"un-checkpointed training step's peak such as budget:40%, or an amount such as "
+                f"budget:512MiB, budget:2GiB or budget:1.5e9B (units: {', '.join(_unit_names())})"
             )
         # Exact arithmetic: a float of hundreds of digits would overflow to infinity.
         value = parse_decimal(match.group(1))
+        exponent = _exponent(match.group(2))
+        if value and exponent > _LARGEST_EXPONENT:
+            raise CheckpointConfigError(_too_large(text, unit))
+        value *= fractions.Fraction(10) ** max(exponent, -_LARGEST_EXPONENT)
         if unit == "%":
-            if 0 < value <= 100:
+            if 0 < value <= 100 and float(value) / 100 > 0:  # not so small that it is 0 as a float
                 return float(value) / 100, None
-            raise CheckpointConfigError(
-                f"budget:{abbreviate(text)} is out of range: a percentage must be in (0, 100], "
-                f"such as budget:40%"
-            )
+            raise CheckpointConfigError(_too_large(text, unit))
         amount = math.floor(value * _UNITS[unit])
         if 1 <= amount <= MAX_BYTES:
             return None, amount
-        raise CheckpointConfigError(
-            f"budget:{abbreviate(text)} is out of range: an amount must be from 1 B to "
-            f"{MAX_BYTES} B (8 EiB), such as budget:512MiB"
-        )
+        raise CheckpointConfigError(_too_large(text, unit))
+
+
+_LARGEST_EXPONENT = 400
+"""Beyond this power of ten, no budget is in range (and the exact value is not worked out)."""
+
+
+def _exponent(text: Optional[str]) -> int:
+    """The power of ten written after ``e``, held within what matters (past
+    ``_LARGEST_EXPONENT`` either way the budget is out of range)."""
+    if not text:
+        return 0
+    digits = text.lstrip("+-")
+    value = int(digits) if len(digits) <= 12 else 10**13  # int() of thousands of digits is refused
+    return -value if text.startswith("-") else value
+
+
+def _too_large(text: str, unit: str) -> str:
+    """The message for an amount out of range (too large, or at or below zero)."""
+    if unit == "%":
+        return f"budget:{abbreviate(text)} is out of range: a percentage must be in (0, 100], such as budget:40%"
+    return (
+        f"budget:{abbreviate(text)} is out of range: an amount must be from 1 B to "
+        f"{MAX_BYTES} B (8 EiB), such as budget:512MiB"
+    )
 
 
 def _unit_names() -> Tuple[str, ...]:

@@ -89,7 +89,7 @@ def test_fractions_of_any_length(text):
 def test_percent_budgets_of_any_length(text):
     exact = _exact(text)
     spec = f"budget:{text}%"
-    if 0 < exact <= 100:
+    if 0 < exact <= 100 and float(exact) / 100 > 0:
         _, budget, _ = split_modifiers(parse_policy(spec))
         assert budget.parsed() == (float(exact) / 100, None)
     else:
@@ -113,6 +113,12 @@ def test_byte_budgets_of_any_length(text, unit):
     [
         ("budget:" + "9" * 400 + "%", r"budget:9{16}\.\.\.9{7}% \(401 characters\) is out of range: a percentage must be in \(0, 100\]"),
         ("budget:" + "9" * 400 + "MiB", r"budget:9{16}\.\.\..*is out of range: an amount must be from 1 B to"),
+        ("budget:1e400MiB", r"budget:1e400MiB is out of range: an amount must be from 1 B to"),
+        ("budget:1e" + "9" * 30 + "GiB", r"is out of range: an amount must be from 1 B to"),
+        ("budget:1e400%", r"budget:1e400% is out of range: a percentage must be in \(0, 100\]"),
+        ("budget:1e-400MiB", r"budget:1e-400MiB is out of range: an amount must be from 1 B to"),
+        ("budget:1e-" + "9" * 30 + "%", r"is out of range: a percentage must be in \(0, 100\]"),
+        ("budget:3eMiB", r"budget:3eMiB is malformed: write a percentage of the un-checkpointed training step's peak"),
         ("every:" + "9" * 5000, r"every:9{16}\.\.\.9{8} \(5000 characters\) is out of range: N must be a whole number with 1 <= N <= "),
         ("last:" + "1" + "0" * 19, r"last:10{19} is out of range: K must be"),
         ("fraction:" + "9" * 5000, r"fraction:P takes a number with 0 < P <= 1.*got 9{16}\.\.\."),
@@ -133,6 +139,15 @@ def test_count_pickers_refuse_ints_too_large_to_print(term):
 def test_fraction_refuses_ints_too_large_for_a_float():
     with pytest.raises(CheckpointConfigError, match=r"0 < P <= 1.*got an integer of about 401 digits"):
         Fraction(10**400)
+
+
+@pytest.mark.parametrize(
+    ("amount", "parsed"),
+    [("1.5e9B", (None, 1_500_000_000)), ("2e3MiB", (None, 2000 * 2**20)), ("1.5E+3KiB", (None, 1_536_000)),
+     ("2.5e-1%", (0.0025, None)), ("4e1%", (0.4, None))],
+)
+def test_budgets_take_powers_of_ten(amount, parsed):
+    assert Budget(amount).parsed() == parsed
 
 
 def test_a_budget_in_percent_resolves_as_before_and_pickles():
