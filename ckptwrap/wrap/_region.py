@@ -4,6 +4,13 @@ Modules with running statistics (BatchNorm, InstanceNorm with tracking) update t
 place during their forward; a recomputation would update them a second time. Their
 statistics are put back after each recomputation, so a training step leaves them exactly
 as the un-checkpointed step does.
+
+Other buffers a forward changes in place (spectral normalisation's ``u`` and ``v``, which
+its power iteration advances and the weight depends on; a step counter) are replayed: the
+region's small buffers are copied before its forward, those the forward changed are kept,
+and each recomputation runs from them and then puts back what the buffers held before it,
+so it computes what the forward computed and the step changes each buffer once. A changed
+buffer too large to copy is refused at the recomputation, naming it.
 """
 
 from __future__ import annotations
@@ -192,22 +199,94 @@ class _KeywordsFirst:
 
 
 class _KeepStats:
-    """``call`` that leaves running statistics untouched when it runs as a recomputation."""
+    """``call`` (one call of a region: made afresh for each) that leaves running
+    statistics untouched when it runs as a recomputation, and replays the buffers its
+    first run changed in place (see the module's docstring)."""
 
-    __slots__ = ("owner", "call")
+    __slots__ = ("owner", "call", "_changed")
 
     def __init__(
         self, owner: Union[torch.nn.Module, Tuple[torch.nn.Module, ...]], call: Callable[..., Any]
     ) -> None:
         self.owner = owner
         self.call = call
+        self._changed: Optional[List[Tuple[str, torch.Tensor, Optional[torch.Tensor]]]] = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        owners = self.owner if isinstance(self.owner, tuple) else (self.owner,)
+        if self._changed is None:  # the first run: the forward (or inside an enclosing recomputation)
+            before = _buffers_before(owners)
+            out = self._run(owners, args, kwargs)
+            self._changed = [
+                (name, buffer, copy) for name, buffer, version, copy in before if buffer._version != version
+            ]
+            return out
+        with _replayed(self._changed):
+            return self._run(owners, args, kwargs)
+
+    def _run(self, owners: Tuple[torch.nn.Module, ...], args: Any, kwargs: Dict[str, Any]) -> Any:
         if not is_recomputing():
             return self.call(*args, **kwargs)
-        owners = self.owner if isinstance(self.owner, tuple) else (self.owner,)
         with _statistics_restored(owners):
             return self.call(*args, **kwargs)
+
+
+_COPIED_BYTES = 1 << 16
+"""Buffers up to this size are copied before a region's forward, in case it changes them."""
+
+
+def _buffers_before(
+    modules: Tuple[torch.nn.Module, ...],
+) -> List[Tuple[str, torch.Tensor, int, Optional[torch.Tensor]]]:
+    """(name, buffer, version, copy or None if too large) of every buffer of these modules
+    but running statistics (kept by ``_statistics_restored``)."""
+    found = []
+    seen = set()
+    with _torch_private.disable_current_modes(), torch.no_grad():
+        for module in modules:
+            for prefix, sub in module.named_modules():
+                statistics = isinstance(sub, _torch_private.norm_classes)
+                for name, buffer in sub._buffers.items():
+                    if buffer is None or id(buffer) in seen or (statistics and name in _STAT_NAMES):
+                        continue
+                    seen.add(id(buffer))
+                    try:
+                        version = buffer._version
+                    except RuntimeError:  # an inference tensor: it cannot change in a training forward
+                        continue
+                    small = buffer.numel() * buffer.element_size() <= _COPIED_BYTES
+                    copy = buffer.detach().clone() if small else None
+                    where = f"{prefix}.{name}" if prefix else name
+                    found.append((f"{where!r} of {type(module).__name__} ({type(sub).__name__})", buffer, version, copy))
+    return found
+
+
+@contextlib.contextmanager
+def _replayed(changed: List[Tuple[str, torch.Tensor, Optional[torch.Tensor]]]) -> Iterator[None]:
+    """Buffers as they were before the region's forward while a recomputation runs; as
+    they are now once it ends."""
+    if not changed:
+        yield
+        return
+    large = [name for name, _, copy in changed if copy is None]
+    if large:
+        raise CheckpointConfigError(
+            f"the buffer {large[0]} was changed in place by a checkpointed forward and is too large "
+            f"(over {_COPIED_BYTES} bytes) to keep for the recomputation, which would compute from "
+            f"its new value; keep this module out of the policy, or change the buffer outside the forward."
+        )
+    now = []
+    # Through .data and outside the recomputation's modes, as _statistics_restored does.
+    with _torch_private.disable_current_modes(), torch.no_grad():
+        for _, buffer, copy in changed:
+            now.append(buffer.detach().clone())
+            buffer.data.copy_(copy)
+    try:
+        yield
+    finally:
+        with _torch_private.disable_current_modes(), torch.no_grad():
+            for (_, buffer, _), value in zip(changed, now):
+                buffer.data.copy_(value)
 
 
 @contextlib.contextmanager
