@@ -32,7 +32,7 @@ class _CheckpointedForward:
     copying rebuild it around the copied module.
     """
 
-    __slots__ = ("_module", "options", "previous", "offload", "chain", "observer", "__weakref__")
+    __slots__ = ("_module", "options", "previous", "offload", "chain", "observer", "qualified_name", "__weakref__")
 
     def __init__(
         self,
@@ -42,8 +42,10 @@ class _CheckpointedForward:
         offload: bool = False,
         chain: Tuple["_SegmentMember", ...] = (),
         observer: Any = None,
+        qualified_name: str = "",
     ) -> None:
         self._module = weakref.ref(module)
+        self.qualified_name = qualified_name  # the module's name in the wrapped model, for errors
         self.options = options
         self.previous = previous  # an instance-level forward someone else had set, if any
         self.offload = offload
@@ -101,7 +103,7 @@ class _CheckpointedForward:
     def __reduce__(self) -> Tuple[Any, ...]:
         return (
             _CheckpointedForward,
-            (self._module(), self.options, self.previous, self.offload, self.chain),
+            (self._module(), self.options, self.previous, self.offload, self.chain, None, self.qualified_name),
         )
 
     def __repr__(self) -> str:

@@ -49,7 +49,7 @@ def mark(model: nn.Module, applied: Plan, observer: Any = None) -> Dict[str, nn.
             name = follower.get(name)
         options = entry_options(applied.options, entry.saved_ops)
         module.forward = _CheckpointedForward(
-            module, options, module.__dict__.get("forward"), offload, tuple(chain), observer
+            module, options, module.__dict__.get("forward"), offload, tuple(chain), observer, entry.name
         )
     return modules
 

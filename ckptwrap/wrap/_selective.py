@@ -226,6 +226,10 @@ class _Recomputation(_CachedTorchDispatchMode or object):  # type: ignore[misc]
 
 def _mutation_error(module: Optional[nn.Module], op: Any, fix: str) -> CheckpointError:
     where = type(module).__name__ if module is not None else "A checkpointed function"
+    # A module wrap_model marked knows its name in the model (its checkpointed forward does).
+    name = getattr(module.__dict__.get("forward"), "qualified_name", "") if module is not None else ""
+    if name:
+        where = f"{where} {name!r}"
     saved = f"the output of {op}" if op is not None else "an operator's output"
     error = CheckpointError(
         f"{where} is checkpointed at a selective level, which keeps {saved} from its "

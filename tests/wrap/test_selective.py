@@ -83,7 +83,7 @@ def test_mutated_saved_output_names_module_operator_and_fix():
         out.sum().backward()
     error = caught.value
     message = str(error)
-    assert message.startswith("ShiftedProduct is checkpointed at a selective level")
+    assert message.startswith("ShiftedProduct 'blocks.1' is checkpointed at a selective level")
     assert "the output of aten.mm.default" in message
     assert error.fix == (
         "leave mm out of the saved operators "
@@ -107,7 +107,7 @@ def test_lstm_cell_over_time_steps_names_its_addmm():
     model = wrap_model(_made(Recurrent), "type:LSTMCell;selective")
     with pytest.raises(
         CheckpointError,
-        match=r"^LSTMCell is checkpointed .* aten\.addmm\.default .*Fix: leave addmm out of the "
+        match=r"^LSTMCell 'cell' is checkpointed .* aten\.addmm\.default .*Fix: leave addmm out of the "
         r"saved operators \(selective:mm,bmm,",
     ) as caught:
         model(_sequence()).sum().backward()
