@@ -358,8 +358,8 @@ def run_checkpointed(
     completed = False
     with contextlib.ExitStack() as stack:
         stack.enter_context(_make_hooks(frame, observer))
-        # Regions entered inside this one report to no one: they keep what they save.
-        stack.enter_context(_state.observe_saved(None))
+        if observer is not None:  # regions entered inside this one report to no one
+            stack.enter_context(_state.observe_saved(None))
         stack.enter_context(forward_ctx)
         if recorders is not None:
             stack.enter_context(recorders[0])

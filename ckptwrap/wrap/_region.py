@@ -16,7 +16,7 @@ buffer too large to copy is refused at the recomputation, naming it.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -210,16 +210,14 @@ class _KeepStats:
     ) -> None:
         self.owner = owner
         self.call = call
-        self._changed: Optional[List[Tuple[str, torch.Tensor, Optional[torch.Tensor]]]] = None
+        self._changed: Optional[List[_Buffer]] = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         owners = self.owner if isinstance(self.owner, tuple) else (self.owner,)
         if self._changed is None:  # the first run: the forward (or inside an enclosing recomputation)
             before = _buffers_before(owners)
             out = self._run(owners, args, kwargs)
-            self._changed = [
-                (name, buffer, copy) for name, buffer, version, copy in before if buffer._version != version
-            ]
+            self._changed = [entry for entry in before if entry.tensor._version != entry.version]
             return out
         with _replayed(self._changed):
             return self._run(owners, args, kwargs)
@@ -235,72 +233,91 @@ _COPIED_BYTES = 1 << 16
 """Buffers up to this size are copied before a region's forward, in case it changes them."""
 
 
-def _buffers_before(
-    modules: Tuple[torch.nn.Module, ...],
-) -> List[Tuple[str, torch.Tensor, int, Optional[torch.Tensor]]]:
-    """(name, buffer, version, copy or None if too large) of every buffer of these modules
-    but running statistics (kept by ``_statistics_restored``)."""
-    found = []
+class _Buffer(NamedTuple):
+    """A buffer of a region as its forward found it."""
+
+    where: Tuple[torch.nn.Module, str, torch.nn.Module, str]
+    """(region's module, submodule's name in it, submodule, buffer's name): for errors."""
+    tensor: torch.Tensor
+    version: int
+    copy: Optional[torch.Tensor]
+    """Its value, if small enough to copy."""
+
+
+def _label(where: Tuple[torch.nn.Module, str, torch.nn.Module, str]) -> str:
+    owner, prefix, sub, name = where
+    return f"{(prefix + '.' + name) if prefix else name!r} of {type(owner).__name__} ({type(sub).__name__})"
+
+
+def _buffers_before(modules: Tuple[torch.nn.Module, ...]) -> List[_Buffer]:
+    """Every buffer of these modules but running statistics (kept by
+    ``_statistics_restored``), copied where small."""
+    found: List[_Buffer] = []
     seen = set()
+    for module in modules:
+        for prefix, sub in module.named_modules():
+            statistics = isinstance(sub, _torch_private.norm_classes)
+            for name, buffer in sub._buffers.items():
+                if buffer is None or id(buffer) in seen or (statistics and name in _STAT_NAMES):
+                    continue
+                seen.add(id(buffer))
+                try:
+                    version = buffer._version
+                except RuntimeError:  # an inference tensor: it cannot change in a training forward
+                    continue
+                found.append(_Buffer((module, prefix, sub, name), buffer, version, None))
+    if not found:
+        return found
+    # Outside any dispatch mode of the forward (selective checkpointing's, a meter's).
     with _torch_private.disable_current_modes(), torch.no_grad():
-        for module in modules:
-            for prefix, sub in module.named_modules():
-                statistics = isinstance(sub, _torch_private.norm_classes)
-                for name, buffer in sub._buffers.items():
-                    if buffer is None or id(buffer) in seen or (statistics and name in _STAT_NAMES):
-                        continue
-                    seen.add(id(buffer))
-                    try:
-                        version = buffer._version
-                    except RuntimeError:  # an inference tensor: it cannot change in a training forward
-                        continue
-                    small = buffer.numel() * buffer.element_size() <= _COPIED_BYTES
-                    copy = buffer.detach().clone() if small else None
-                    where = f"{prefix}.{name}" if prefix else name
-                    found.append((f"{where!r} of {type(module).__name__} ({type(sub).__name__})", buffer, version, copy))
-    return found
+        return [
+            entry._replace(copy=entry.tensor.detach().clone())
+            if entry.tensor.numel() * entry.tensor.element_size() <= _COPIED_BYTES else entry
+            for entry in found
+        ]
 
 
 @contextlib.contextmanager
-def _replayed(changed: List[Tuple[str, torch.Tensor, Optional[torch.Tensor]]]) -> Iterator[None]:
+def _replayed(changed: List[_Buffer]) -> Iterator[None]:
     """Buffers as they were before the region's forward while a recomputation runs; as
     they are now once it ends."""
     if not changed:
         yield
         return
-    large = [name for name, _, copy in changed if copy is None]
+    large = [entry.where for entry in changed if entry.copy is None]
     if large:
         raise CheckpointConfigError(
-            f"the buffer {large[0]} was changed in place by a checkpointed forward and is too large "
-            f"(over {_COPIED_BYTES} bytes) to keep for the recomputation, which would compute from "
+            f"the buffer {_label(large[0])} was changed in place by a checkpointed forward and is too "
+            f"large (over {_COPIED_BYTES} bytes) to keep for the recomputation, which would compute from "
             f"its new value; keep this module out of the policy, or change the buffer outside the forward."
         )
-    now = []
-    # Through .data and outside the recomputation's modes, as _statistics_restored does.
-    with _torch_private.disable_current_modes(), torch.no_grad():
-        for _, buffer, copy in changed:
-            now.append(buffer.detach().clone())
-            buffer.data.copy_(copy)
-    try:
-        yield
-    finally:
+    with _kept([entry.tensor for entry in changed]):
         with _torch_private.disable_current_modes(), torch.no_grad():
-            for (_, buffer, _), value in zip(changed, now):
-                buffer.data.copy_(value)
+            for entry in changed:
+                entry.tensor.data.copy_(entry.copy)
+        yield
+
+
+def _statistics_restored(modules: Tuple[torch.nn.Module, ...]) -> ContextManager[None]:
+    return _kept([
+        buffer
+        for sub in (sub for module in modules for sub in module.modules())
+        if isinstance(sub, _torch_private.norm_classes) and sub.training and sub.track_running_stats
+        for buffer in (getattr(sub, name, None) for name in _STAT_NAMES)
+        if isinstance(buffer, torch.Tensor)
+    ])
 
 
 @contextlib.contextmanager
-def _statistics_restored(modules: Tuple[torch.nn.Module, ...]) -> Iterator[None]:
-    saved: List[Tuple[torch.Tensor, torch.Tensor]] = []
+def _kept(buffers: List[torch.Tensor]) -> Iterator[None]:
+    """Put ``buffers`` back as they are now when the block ends."""
+    if not buffers:
+        yield
+        return
     # Outside any dispatch mode of the recomputation (selective checkpointing replays only
     # the operators its forward recorded, and these copies are not among them).
     with _torch_private.disable_current_modes():
-        for sub in (sub for module in modules for sub in module.modules()):
-            if isinstance(sub, _torch_private.norm_classes) and sub.training and sub.track_running_stats:
-                for name in _STAT_NAMES:
-                    buffer = getattr(sub, name, None)
-                    if isinstance(buffer, torch.Tensor):
-                        saved.append((buffer, buffer.detach().clone()))
+        saved = [(buffer, buffer.detach().clone()) for buffer in buffers]
     try:
         yield
     finally:

@@ -107,5 +107,5 @@ def test_buffers_left_alone_cost_no_copy_kept():
     block.register_buffer("untouched", torch.ones(4))
     keep = _region._KeepStats(block, block)
     keep(torch.randn(2, 16))
-    kept = sorted(name for name, _, _ in keep._changed)
+    kept = sorted(_region._label(entry.where) for entry in keep._changed)
     assert kept == ["'fc.weight_u' of Block (Linear)", "'fc.weight_v' of Block (Linear)", "'steps' of Block (Block)"]
