@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import inspect
 import random
 import time
@@ -235,20 +236,31 @@ class TimeResult:
 
 
 def time_pass(arch: Any, loop: str, steps: int, budget: int, device: str = "cpu") -> TimeResult:
-    """The budget and ``blocks`` taking turns step by step, nothing metered."""
+    """The budget and ``blocks`` taking turns step by step, nothing metered.
+
+    The objects this process made before the row (every model built so far) are frozen
+    out of the garbage collector's reach while it runs: a full collection would walk them
+    all, a pause of a tenth of a second or more that lands on whichever model allocates
+    at that moment, and a training process holds one model, not sixty. What either model
+    allocates during the row is collected as usual."""
     template = arch.build().to(device)
     models = {"budget": ckptwrap.wrap_model(copy.deepcopy(template), _policy(arch, budget)),
               "blocks": ckptwrap.wrap_model(copy.deepcopy(template), arch.candidates or "blocks")}
     optimizers = {name: torch.optim.SGD(m.parameters(), lr=_LR) for name, m in models.items()}
     totals = {name: 0.0 for name in models}
-    for index, forwards in enumerate(schedule(arch, loop, steps)):
-        order = list(models) if index % 2 == 0 else list(reversed(list(models)))
-        for name in order:
-            _synchronize(device)
-            start = time.perf_counter()
-            train_step(models[name], arch, loop, forwards, index, optimizers[name], device)
-            _synchronize(device)
-            totals[name] += time.perf_counter() - start
+    gc.collect()
+    gc.freeze()
+    try:
+        for index, forwards in enumerate(schedule(arch, loop, steps)):
+            order = list(models) if index % 2 == 0 else list(reversed(list(models)))
+            for name in order:
+                _synchronize(device)
+                start = time.perf_counter()
+                train_step(models[name], arch, loop, forwards, index, optimizers[name], device)
+                _synchronize(device)
+                totals[name] += time.perf_counter() - start
+    finally:
+        gc.unfreeze()
     return TimeResult(totals["budget"], totals["blocks"])
 
 

@@ -5,7 +5,7 @@ bookkeeping the planner's profiler counts saved tensors with.
 and counts tensor storages as they are created and freed on the CPU (``StorageCounter``).
 """
 
-from ._peak import PeakMemory, StorageCounter, measure_peak
+from ._peak import PeakMemory, StorageCounter, measure_peak, outputs_of
 from ._span import SpanPeak, StepSpan
 from ._storages import (
     SavePolicy,
@@ -28,6 +28,7 @@ __all__ = [
     "Tally",
     "differentiable",
     "measure_peak",
+    "outputs_of",
     "policy_watch",
     "saving",
     "tensor_storages",

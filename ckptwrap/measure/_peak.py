@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import threading
 import weakref
-from typing import Any, Dict, Iterator, List, Set
+from typing import Any, Dict, Iterator, List, Optional, Set
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -21,7 +21,7 @@ from .._errors import CheckpointConfigError
 from ._storages import tensors
 from ._workspace import run_held
 
-__all__ = ["PeakMemory", "StorageCounter", "measure_peak"]
+__all__ = ["PeakMemory", "StorageCounter", "measure_peak", "outputs_of"]
 
 _MIB = 1024 * 1024
 
@@ -211,20 +211,22 @@ class StorageCounter(TorchDispatchMode):
         return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
-        kwargs = kwargs or {}
+        # Every operator of a metered step passes here: the common case is kept short.
+        if kwargs is None:
+            kwargs = {}
         if self._closed:
             return func(*args, **kwargs)
         self.ops += 1
-        if not self._workspaces:
-            out = func(*args, **kwargs)
-            self._record(out, args, kwargs)
+        if self._workspaces and _may_hold(func):
+            before = self.live_bytes
+            out, held = run_held(func, args, kwargs)
+            self._record(func, out, args, kwargs)
+            if held and before + held > self.live_bytes:
+                with self._lock:
+                    self._peak_at(before + held)
             return out
-        before = self.live_bytes
-        out, held = run_held(func, args, kwargs)
-        self._record(out, args, kwargs)
-        if held and before + held > self.live_bytes:
-            with self._lock:
-                self._peak_at(before + held)
+        out = func(*args, **kwargs)
+        self._record(func, out, args, kwargs)
         return out
 
     def __exit__(self, exc_type, exc_value, traceback):
@@ -248,10 +250,10 @@ class StorageCounter(TorchDispatchMode):
             self._refs.clear()
             self._sizes.clear()
 
-    def _record(self, out: Any, args: Any, kwargs: Any) -> None:
+    def _record(self, func: Any, out: Any, args: Any, kwargs: Any) -> None:
         """Count the storages among ``out`` that this operator created."""
         before = self.created_bytes
-        self._count_outputs(out, args, kwargs)
+        self._count_outputs(outputs_of(func), out, args, kwargs)
         if self._trace and self.created_bytes != before:
             with self._lock:
                 self.moments.append(self._live)
@@ -261,7 +263,7 @@ class StorageCounter(TorchDispatchMode):
         made it: a tensor made outside the dispatcher (a generator's state)."""
         if not self._closed:
             before = self.created_bytes
-            self._count_outputs(tensor, (), {})
+            self._count_outputs(True, tensor, (), {})
             if self._trace and self.created_bytes != before:
                 with self._lock:
                     self.moments.append(self._live)
@@ -272,9 +274,12 @@ class StorageCounter(TorchDispatchMode):
         if self._trace:
             self.moments.append(nbytes)
 
-    def _count_outputs(self, out: Any, args: Any, kwargs: Any) -> None:
+    def _count_outputs(self, outputs: Optional[bool], out: Any, args: Any, kwargs: Any) -> None:
+        """Count the storages among ``out`` that the operator created. ``outputs`` is what
+        its schema says of them (``outputs_of``): True, new tensors; False, its inputs
+        or views of them; None, either (the inputs are then looked at)."""
         input_keys: Set[int] | None = None
-        for leaf in _leaves(out):
+        for leaf in (out,) if type(out) is torch.Tensor else _leaves(out):
             storage = self._storage_of(leaf)
             if storage is None:
                 continue
@@ -287,14 +292,18 @@ class StorageCounter(TorchDispatchMode):
                         self._sizes[key] = nbytes
                         self._add(nbytes - counted)
                     continue
-            if input_keys is None:
-                # Read after the operator ran, so an in-place one that swapped its input's
-                # storage (``set_``) shows the storage that input holds now.
-                input_keys = self._input_keys(args, kwargs)
-            if key in input_keys:
-                # Returned an input or a view of one (in-place ops, views): no new memory.
-                # An input storage we do not count existed before the block.
+            if outputs is False:
+                # An input or a view of one that was not counted: it existed before.
                 continue
+            if outputs is None:
+                if input_keys is None:
+                    # Read after the operator ran, so an in-place one that swapped its
+                    # input's storage (``set_``) shows the storage that input holds now.
+                    input_keys = self._input_keys(args, kwargs)
+                if key in input_keys:
+                    # Returned an input or a view of one: no new memory. An input
+                    # storage we do not count existed before the block.
+                    continue
             with self._lock:
                 if key in self._sizes:
                     continue
@@ -342,6 +351,30 @@ class StorageCounter(TorchDispatchMode):
                 except (RuntimeError, NotImplementedError, TypeError):
                     pass
         return keys
+
+
+_aten = torch.ops.aten
+_UNDECLARED_VIEWS = frozenset({_aten._unsafe_view.default})
+"""Operators whose schema declares a new output where they return a view of an input."""
+_HOLDERS = frozenset({_aten.convolution, _aten.convolution_backward})
+"""Operators that may hold memory beyond their outputs while they run (``_workspace``)."""
+
+
+@functools.lru_cache(maxsize=None)
+def outputs_of(func: Any) -> Optional[bool]:
+    """What ``func``'s schema says of its outputs' storages: True if every output is a new
+    tensor, False if every one is an input or a view of one (in-place, ``out=`` and view
+    operators), None if some may be either or there is no schema to tell."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or func in _UNDECLARED_VIEWS or not schema.returns:
+        return None
+    aliased = {ret.alias_info is not None for ret in schema.returns}
+    return None if len(aliased) > 1 else not aliased.pop()
+
+
+@functools.lru_cache(maxsize=None)
+def _may_hold(func: Any) -> bool:
+    return getattr(func, "overloadpacket", None) in _HOLDERS
 
 
 def _leaves(value: Any) -> Any:

@@ -92,13 +92,20 @@ class StepSpan:
         counter = self.counter
         if self.closed or counter._closed:
             return None
-        if counter not in _get_current_dispatch_mode_stack():
+        if not _on_top(counter) and counter not in _get_current_dispatch_mode_stack():
             # The engine puts its state back after the node: nothing to pop.
             torch._C._push_on_torch_dispatch_stack(counter)
         for grad in grad_outputs:
             if isinstance(grad, torch.Tensor):
                 counter.adopt(grad)
         return None
+
+
+def _on_top(mode: Any) -> bool:
+    """Whether ``mode`` is the innermost on this thread's dispatch mode stack (the common
+    case in a backward the counter follows, told without listing the stack)."""
+    depth = torch._C._len_torch_dispatch_stack()
+    return depth > 0 and torch._C._get_dispatch_stack_at(depth - 1) is mode
 
 
 def _remove(mode: Any) -> None:

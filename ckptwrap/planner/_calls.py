@@ -122,9 +122,10 @@ class CallBook:
         record.flops += frame.ops.flops
         record.policy_saved_bytes += frame.policy_tally.bytes
         record.policy_saved_kept_bytes += frame.policy_tally.shared_bytes(tally)
-        record.ops = merge_calls(record.ops, frame.ops.ops(), first=record.calls == 1)
+        ops = frame.ops.ops()
+        record.ops = merge_calls(record.ops, ops, first=record.calls == 1)
         record.forward_seconds += time.perf_counter() - frame.started
-        record.forward_ops += len(frame.ops.ops())
+        record.forward_ops += len(ops)
         if frame.nested:
             call_inputs = Tally(self.excluded).add_tensors(frame.inputs).bytes
             record.input_bytes += call_inputs

@@ -138,14 +138,17 @@ class CostFit:
         miss = ((design / scale).T @ combination - query.T).norm()
         return bool(miss <= _SPAN_TOLERANCE * max(1.0, float(query.norm())))
 
-    def profile_at(self, sizes: Sizes) -> ModelProfile:
-        """The fitted profile at ``sizes``."""
+    def profile_at(self, sizes: Sizes, scale: float = 1.0) -> ModelProfile:
+        """The fitted profile at ``sizes``; with ``scale``, every byte and FLOP of it that
+        many times as large (counts of calls as they are)."""
         sizes = tuple(int(size) for size in sizes)
         ints = dict(zip(self.keys, (round(v) for v in self._ints.at(sizes))))
         ints.update(self._steady)
+        if scale != 1.0:
+            ints = {key: value if _counts(key) else round(value * scale) for key, value in ints.items()}
         peaks: Dict[str, float] = {}
         if self._moments is not None:
-            moments = self._moments.at(sizes)
+            moments = [value * scale for value in self._moments.at(sizes)]
             peaks = {key: max(moments[start:stop]) for key, (start, stop) in self._slices.items()}
         modules = tuple(self._module(cost, ints, peaks, sizes) for cost in self.template.modules)
         return ModelProfile(
@@ -243,6 +246,11 @@ class CostFit:
 
 
 # ---------------------------------------------------------------------- flattening
+
+
+def _counts(key: str) -> bool:
+    """Whether the term ``key`` counts calls or positions (never scaled with bytes)."""
+    return key.rpartition("/")[2] in _COUNT_FIELDS
 
 
 def _work_of(values: Mapping[str, Any]) -> float:

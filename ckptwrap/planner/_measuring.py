@@ -6,9 +6,11 @@ A fit is trusted once it has predicted a measured step it was not fitted on, wit
 ``_TRUST_UNDER`` (too low) and ``_TRUST_OVER`` (too high) of that step's peak, and then
 only where the measured shapes determine it (``CostFit.identifies``: a batch measured at
 one size says nothing of another) and up to a tenth past the largest size of each
-variable measured. A checked step above its prediction adds that
-share of the un-checkpointed peak as a margin; a large miss at a fitted shape has that
-shape measured again.
+variable measured. Elsewhere a bound from a measured shape stands (``_bounded_at``):
+costs grow with the shape, so a larger measured shape bounds them, and a smaller one
+scaled up by its growth. A checked step above its prediction adds that share of the
+un-checkpointed peak as a margin; a large miss at a shape not measured has that shape
+measured again.
 
 While the planner runs the model itself on given inputs (``plan``, example inputs),
 :func:`is_measuring` is true, so that a hook that plans leaves those forwards alone.
@@ -125,6 +127,8 @@ class LayoutCosts:
         # Evaluations of the current fit, by sizes (a loop meets a shape many times).
         self._fitted: Dict[Sizes, ModelProfile] = {}
         self._covered: Dict[Sizes, bool] = {}
+        self._known: Dict[Sizes, Optional[Tuple[str, ModelProfile]]] = {}
+        self._single: Dict[Sizes, CostFit] = {}  # one measured profile, to scale
 
     @property
     def given_up(self) -> bool:
@@ -132,20 +136,72 @@ class LayoutCosts:
 
     def source_at(self, sizes: Sizes) -> Optional[str]:
         """Where the costs at ``sizes`` come from if they are known without measuring
-        (``measured`` or ``fitted``, then :meth:`profile_at` gives them), else None."""
+        (``measured``, ``fitted``, or a bound from a measured shape, ``bounded`` or
+        ``scaled``; then :meth:`profile_at` gives them), else None."""
         if sizes in self.remeasure:
             return None
         if sizes in self.profiles:
             return "measured"
-        if self.fit is None or not self.trusted or not self.covers(sizes):
-            return None
-        return "fitted"
+        known = self._known_at(sizes)
+        return None if known is None else known[0]
+
+    def fits(self, sizes: Sizes) -> bool:
+        """Whether a trusted fit stands for ``sizes`` (measuring there teaches little)."""
+        return self.fit is not None and self.trusted and self.covers(sizes)
 
     def profile_at(self, sizes: Sizes) -> ModelProfile:
-        """The profile at ``sizes``: measured there, or else fitted."""
+        """The profile at ``sizes``: measured there, or else as :meth:`source_at` says,
+        or else fitted."""
         known = self.profiles.get(sizes)
         if known is not None:
             return known
+        found = self._known_at(sizes) if sizes not in self.remeasure else None
+        return found[1] if found is not None else self._fitted_at(sizes)
+
+    def _known_at(self, sizes: Sizes) -> Optional[Tuple[str, ModelProfile]]:
+        """The costs at unmeasured ``sizes``: the trusted fit's, or a bound from a measured
+        shape (:meth:`_bounded_at`), whichever peaks lower."""
+        if sizes in self._known:
+            return self._known[sizes]
+        found = []
+        if self.fits(sizes):
+            found.append(("fitted", self._fitted_at(sizes)))
+        bound = self._bounded_at(sizes)
+        if bound is not None:
+            found.append(bound)
+        known = min(found, key=lambda pair: _peak(pair[1])) if found else None
+        self._known[sizes] = known
+        while len(self._known) > _EVALUATED:
+            del self._known[next(iter(self._known))]
+        return known
+
+    def _bounded_at(self, sizes: Sizes) -> Optional[Tuple[str, ModelProfile]]:
+        """Costs at ``sizes`` no lower than the real ones, from a measured shape: every
+        term a sum of tensor sizes, of degree at most 1 in the batch and 2 in the lengths,
+        none negative, so a shape at least as large in every variable bounds them as
+        measured (``bounded``), and a smaller one once each term is scaled by the batch's
+        growth and the square of the largest length's growth (``scaled``). The measured
+        shape whose bound peaks lowest."""
+        names = self.layout.names
+        best: Optional[Tuple[float, Sizes]] = None
+        for point, profile in self.profiles.items():
+            if point in self.remeasure:
+                continue
+            scale = _growth(names, point, sizes)
+            if best is None or scale * _peak(profile) < best[0]:
+                best = (scale * _peak(profile), point)
+        if best is None:
+            return None
+        point = best[1]
+        scale = _growth(names, point, sizes)
+        if scale == 1.0:
+            return "bounded", self.profiles[point]
+        single = self._single.get(point)
+        if single is None:
+            single = self._single[point] = CostFit(names, [(point, self.profiles[point])])
+        return "scaled", single.profile_at(point, scale=scale)
+
+    def _fitted_at(self, sizes: Sizes) -> ModelProfile:
         assert self.fit is not None
         found = self._fitted.get(sizes)
         if found is None:
@@ -197,8 +253,9 @@ class LayoutCosts:
         """A checked step at ``sizes`` peaked ``share`` of the un-checkpointed peak above
         its prediction from ``source`` costs."""
         self.margin = max(self.margin, min(0.5, share + _MARGIN_SLACK))
-        if source == "fitted" and share > _REMEASURE:
+        if source != "measured" and share > _REMEASURE:
             self.remeasure.add(sizes)
+            self._known.clear()
 
     def _bound(self) -> None:
         """At most ``_KEPT`` profiles: the extremes of each variable stay, then the newest."""
@@ -220,6 +277,8 @@ class LayoutCosts:
     def _refit(self) -> None:
         self._fitted.clear()
         self._covered.clear()
+        self._known.clear()
+        self._single.clear()
         samples = list(self.profiles.items())
         try:
             self.fit = CostFit(self.layout.names, samples)
@@ -293,6 +352,19 @@ def misses(predicted: ModelProfile, measured: ModelProfile) -> Tuple[float, floa
     under = max(0, max(real - mine for mine, real in pairs)) / scale
     over = max(0, max(mine - real for mine, real in pairs)) / scale
     return under, over
+
+
+def _growth(names: Tuple[str, ...], point: Sizes, sizes: Sizes) -> float:
+    """How many times a term measured at ``point`` may grow at ``sizes`` (see
+    ``LayoutCosts._bounded_at``): 1 where ``point`` is at least as large everywhere."""
+    batch = length = 1.0
+    for name, measured, size in zip(names, point, sizes):
+        grown = max(1.0, size / max(measured, 1))
+        if name == "batch":
+            batch = grown
+        else:
+            length = max(length, grown)
+    return batch * length**2
 
 
 def _peak(profile: ModelProfile) -> int:

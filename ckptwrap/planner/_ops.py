@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 from torch.utils.flop_counter import flop_registry
 
-from ..measure import StorageMap, Tally, tensor_storages, tensors
+from ..measure import StorageMap, Tally, outputs_of, tensor_storages, tensors
 
 __all__ = ["OpCost", "OpRecorder", "merge_calls", "packet_name"]
 
@@ -114,14 +114,18 @@ class OpRecorder(_Counted):
         """Bytes of the new storages the operators made, freed or not."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
-        kwargs = kwargs or {}
+        if kwargs is None:
+            kwargs = {}
         out = func(*args, **kwargs)
         if func in SAC_IGNORED_OPS:
             return out
         name, occurrence = self._number(func)
-        for tensor in tensors((args, kwargs)):
-            for storage in tensor_storages(tensor):
-                self._seen.setdefault(storage, None)
+        fresh = outputs_of(func)
+        if fresh is None:
+            # The schema does not tell new outputs from inputs: every input is met.
+            for tensor in tensors((args, kwargs)):
+                for storage in tensor_storages(tensor):
+                    self._seen.setdefault(storage, None)
         for tensor in _written(func, args, kwargs):
             for storage in tensor_storages(tensor):
                 owner = self._seen.get(storage)
@@ -129,16 +133,19 @@ class OpRecorder(_Counted):
                     owner[5] = True
         entry = [name, occurrence, 0, False, _flops(func, out, args, kwargs), False]
         self.flops += entry[4]
-        for tensor in tensors(out):
-            for storage in tensor_storages(tensor):
-                if storage in self._seen:
-                    continue
-                self._seen[storage] = entry
-                entry[2] += storage.nbytes()
-                self.created_bytes += storage.nbytes()
-                # Autograd saves after the operator returns: the tally counts the storage
-                # then, and tells us through the claim.
-                self._tally.claims[storage] = _Saved(entry)
+        if fresh is not False:
+            # New storages: outputs no tensor had before (an output of the schema's
+            # views and in-place operators never is one).
+            for tensor in (out,) if type(out) is torch.Tensor else tensors(out):
+                for storage in tensor_storages(tensor):
+                    if storage in self._seen:
+                        continue
+                    self._seen[storage] = entry
+                    entry[2] += storage.nbytes()
+                    self.created_bytes += storage.nbytes()
+                    # Autograd saves after the operator returns: the tally counts the
+                    # storage then, and tells us through the claim.
+                    self._tally.claims[storage] = _Saved(entry)
         self._ops.append(entry)
         return out
 
@@ -199,12 +206,6 @@ def merge_calls(so_far: Optional[List[OpCost]], call: List[OpCost], first: bool)
     if so_far is None or [op.instance for op in so_far] != [op.instance for op in call]:
         return None
     return [
-        dataclasses.replace(
-            a,
-            bytes=a.bytes + b.bytes,
-            saved=a.saved or b.saved,
-            flops=a.flops + b.flops,
-            mutated=a.mutated or b.mutated,
-        )
+        OpCost(a.op, a.occurrence, a.bytes + b.bytes, a.saved or b.saved, a.flops + b.flops, a.time, a.mutated or b.mutated)
         for a, b in zip(so_far, call)
     ]

@@ -80,6 +80,12 @@ class Plan:
     is a share of it."""
     pending: bool = False
     """True while the plan waits for the first training forward to measure costs."""
+    costs_from: Optional[str] = None
+    """For a plan a ``budget:`` solved at a training forward's shape, where its costs came
+    from: ``measured`` at that shape, ``fitted`` over the shapes measured, or a bound from
+    a measured shape (``bounded``: a larger shape's costs; ``scaled``: a smaller one's,
+    scaled up), whose ``predicted_peak`` and ``plain_peak`` are then at or above the
+    step's own."""
 
     @property
     def names(self) -> List[str]:
@@ -124,6 +130,7 @@ class Plan:
             "activation_bytes": self.activation_bytes,
             "predicted_peak": self.predicted_peak,
             "plain_peak": self.plain_peak,
+            "costs_from": self.costs_from,
             "saved_bytes": self.saved_bytes,
             "recompute_time": self.recompute_time,
         }
@@ -168,6 +175,8 @@ class Plan:
             )
             if self.budget is not None:
                 summary += f"; budget {self.budget / _MIB:.2f} MiB"
+            if self.costs_from in ("bounded", "scaled"):
+                summary += " (from a bound: at or above the step's own)"
             lines.append(summary)
             lines.append(
                 f"(activations saved for backward without checkpointing: "

@@ -2,13 +2,14 @@
 the training steps themselves.
 
 Each training forward is a :class:`Decision`. Where the costs at its shape are known (a
-step measured at that shape, or a trusted fit that stands for it, ``_measuring``), it is
-a solve: the plan of least recompute time whose predicted peak fits the budget, less the
-margin the closed loop added, and some of those steps are checked against their
-prediction (:meth:`ShapePlanner.checked`). Where they are not, the step runs under the
-plan of least memory (every candidate checkpointed) and is measured as it runs
-(:meth:`ShapePlanner.learned`). Example inputs are real inputs too: :meth:`choose`
-measures one step on them at once.
+step measured at that shape, a trusted fit that stands for it, or a bound from a shape
+measured, ``_measuring``), it is a solve: the plan of least recompute time whose
+predicted peak fits the budget, less the margin the closed loop added, and some of those
+steps are checked against their prediction (:meth:`ShapePlanner.checked`). Where they
+are not, or a bound puts every plan over the budget, or learning may spend the time
+(``_schedule``), the step runs under the plan of least memory (every candidate
+checkpointed) and is measured as it runs (:meth:`ShapePlanner.learned`). Example inputs
+are real inputs too: :meth:`choose` measures one step on them at once.
 
 A budget in bytes is the same at every shape. ``budget:NN%`` is NN% of the predicted
 un-checkpointed step peak at the largest shape planned so far (largest by that peak),
@@ -31,6 +32,7 @@ from .._errors import CheckpointConfigError
 from .._warn import note, warn
 from ..policy import Budget
 from ._choose import Choice, choose, plain_peak
+from ._decision import Decision
 from ._measuring import LayoutCosts, Layouts, PlanSettings, measuring, region_bytes
 from ._module_costs import ModelProfile
 from ._profile import _resolve_targets, measure_inputs, step_device
@@ -47,35 +49,6 @@ _CACHED = 64
 _MISS = 0.01
 """A checked step above its prediction by more than this share of the un-checkpointed
 peak is a miss."""
-
-
-@dataclasses.dataclass
-class Decision:
-    """What one training forward runs under."""
-
-    costs: Optional[LayoutCosts]
-    sizes: Sizes
-    measure: bool
-    """Run under the plan of least memory and measure the step."""
-    choice: Optional[Choice] = None
-    """The plan solved for, when not measuring; None with ``measure`` or where the layout
-    is no longer measured (then the plan of least memory runs unmeasured)."""
-    source: str = ""
-    """Where the costs came from: ``measured`` or ``fitted``."""
-    check: bool = False
-    """Whether to meter the step and compare it with ``choice.predicted_peak``."""
-    reset: bool = False
-    """Whether that meter resets an accelerator's peak statistics (an earlier reading
-    without a reset could not tell)."""
-    region: int = 0
-    """Bytes the engine keeps per checkpointed call besides its inputs (``region_bytes``)."""
-    margin: float = 0.0
-    """The share of the un-checkpointed peak the plan kept free beyond its prediction."""
-
-    def describe(self) -> str:
-        if self.costs is None:
-            return "these inputs"
-        return self.costs.layout.describe(self.sizes)
 
 
 class ShapePlanner:
@@ -136,6 +109,12 @@ class ShapePlanner:
             state["settings"] = dataclasses.replace(self.settings, loss_fn=None)
         return state
 
+    @property
+    def _percent(self) -> bool:
+        """Whether the budget is a share of the un-checkpointed peak."""
+        budget = self.settings.budget
+        return budget is not None and budget.parsed()[0] is not None
+
     # ------------------------------------------------------------------ training steps
 
     def decide(
@@ -160,14 +139,25 @@ class ShapePlanner:
         if costs.given_up:
             return Decision(costs, sizes, measure=False, region=region)
         source = costs.source_at(sizes)
-        if source is None:
+        bounded = source in ("bounded", "scaled")
+        # A share of the plain peak at a shape larger than any measured: that peak is
+        # known only by measuring it.
+        if source is None or (source == "scaled" and self._percent):
             return Decision(costs, sizes, measure=True, region=region)
-        choice = self._choice(costs, sizes, region, strict=False, model=model)
-        check = self._schedule.due(cheap=device.type not in ("cpu", "meta")) and fresh()
+        if bounded and not costs.fits(sizes) and self._schedule.may_learn():
+            return Decision(costs, sizes, measure=True, region=region, learn=True)
+        choice = self._choice(costs, sizes, region, strict=False, model=model, bounded=bounded)
+        if choice is None:
+            # Out of reach under a bound, perhaps not under the costs themselves: measured
+            # (the plan of least memory is not solved for, whose arrays the budget does
+            # not bound).
+            return Decision(costs, sizes, measure=True, region=region)
+        cheap = device.type not in ("cpu", "meta")
+        check = self._schedule.due(cheap=cheap) and fresh()
         reset, self._reset = self._reset and check, self._reset and not check
         return Decision(
             costs, sizes, measure=False, choice=choice, source=source, check=check, reset=reset,
-            region=region, margin=costs.margin,
+            region=region, margin=costs.margin, metered=check and not cheap,
         )
 
     def learned(self, decision: Decision, profile: Optional[ModelProfile], failure: Optional[str] = None) -> None:
@@ -211,9 +201,11 @@ class ShapePlanner:
         return self._budget(plain, costs), plain
 
     def timed(self, decision: Decision, seconds: float) -> None:
-        """A solved step of ``decision`` took ``seconds``, forward to end of backward."""
-        if decision.choice is not None:
-            self._schedule.timed(seconds, checked=decision.check)
+        """The step of ``decision`` took ``seconds``, forward to end of backward."""
+        if decision.measure:
+            self._schedule.measured(seconds, learning=decision.learn)
+        elif decision.choice is not None:
+            self._schedule.timed(seconds, checked=decision.metered)
 
     def abandoned(self, decision: Decision) -> None:
         """A measuring step ended without a backward."""
@@ -306,15 +298,19 @@ class ShapePlanner:
         *,
         strict: bool,
         model: nn.Module,
-    ) -> Choice:
+        bounded: bool = False,
+    ) -> Optional[Choice]:
         """The plan at ``sizes``, whose costs ``costs`` knows (solved once per shape,
-        budget and margin; the profile is evaluated only to solve)."""
+        budget and margin; the profile is evaluated only to solve). ``strict``: a budget
+        out of reach raises rather than giving the plan of least memory. ``bounded``: the
+        costs are a bound (their plain peak is no reference for a share), and a budget out
+        of reach under them gives None."""
         settings = self.settings
         plain = self._plain.get((id(costs), sizes, region))
         if plain is None:
             plain = plain_peak(costs.profile_at(sizes), settings.names, region_bytes=region)
             self._plain[(id(costs), sizes, region)] = plain
-        budget = self._budget(plain, costs)
+        budget = self._budget(plain, costs, reference=not bounded)
         kept_free = int(costs.margin * plain)
         key = (id(costs), sizes, None if budget is None else int(budget), kept_free)
         found = self._plans.get(key)
@@ -329,9 +325,14 @@ class ShapePlanner:
                 costs.profile_at(sizes), settings.candidates, target,
                 describe=settings.budget.describe() if settings.budget is not None else "the budget",
                 segments=settings.segments, levels=levels, recompute=settings.recompute,
-                region_bytes=region, strict=strict,
+                region_bytes=region, strict=strict or bounded,
             )
         except CheckpointConfigError as error:
+            if bounded:
+                # Returned from here, the error goes at once, and with it the solver's
+                # arrays its frames hold (raised on, a cycle would keep them to the
+                # next garbage collection: inside the step).
+                return None
             raise CheckpointConfigError(f"at inputs of {costs.layout.describe(sizes)}: {error}") from None
         choice = dataclasses.replace(choice, budget=budget)
         if not choice.reachable and self._unreachable != (id(costs), sizes):
@@ -349,14 +350,15 @@ class ShapePlanner:
             del self._plain[next(iter(self._plain))]
         return choice
 
-    def _budget(self, plain: int, costs: LayoutCosts) -> Optional[int]:
+    def _budget(self, plain: int, costs: LayoutCosts, *, reference: bool = True) -> Optional[int]:
         """The budget in bytes at a shape whose plain peak is ``plain`` (which counts for
-        the largest so far); with ``max_shapes`` and trusted costs, also the plain peak
-        predicted there."""
+        the largest so far, with ``reference``); with ``max_shapes`` and trusted costs,
+        also the plain peak predicted there."""
         budget = self.settings.budget
         if budget is None:
             return None
-        self.reference = max(self.reference, plain)
+        if reference:
+            self.reference = max(self.reference, plain)
         if self.max_shapes and costs.fit is not None and costs.trusted:
             try:
                 declared = costs.layout.declared(self.max_shapes)

@@ -6,14 +6,26 @@ A check is due after a step is measured and after a check that missed, then afte
 4, then every 8 solved steps while they hit. On the CPU checks are spaced further, so
 that the time they add beyond unmetered steps stays within ``SHARE`` of the training
 time of the steps between them.
+
+Also here: when a step may be measured to learn, where a bound from the shapes measured
+already would do (``may_learn``). Measured steps cost several unmetered ones; those the
+planner cannot do without (a layout's first shape, a shape no bound fits the budget at, a
+shape whose plan missed) are always taken, and those it takes to learn more (to find a
+fit it can trust, for plans closer to the budget) add at most ``LEARN_SHARE`` of the
+training time, counted as checks are.
 """
 
 from __future__ import annotations
+
+from typing import List, Tuple
 
 __all__ = ["CheckSchedule"]
 
 SHARE = 0.03
 """The most of the training time the CPU's checks may add."""
+LEARN_SHARE = 0.05
+"""The most of the training time measuring to learn may add, beyond the measured steps
+that cannot be done without."""
 _LONGEST = 8
 """After checks that hit, the next is at most this many steps later."""
 _WEIGHT = 0.3
@@ -31,6 +43,9 @@ class CheckSchedule:
         self._credit = 0.0  # seconds of checking the time trained so far allows
         self._step_seconds = 0.0  # running mean of unmetered steps
         self._cost = 0.0  # running mean of what a check adds to a step
+        self._learn_credit = 0.0  # seconds of measuring to learn the time so far allows
+        self._learn_cost = 0.0  # running mean of what a measured step adds to a step
+        self._unsettled: List[Tuple[float, bool]] = []  # measured before any step was timed
 
     def step(self) -> None:
         """A training step begins."""
@@ -67,3 +82,23 @@ class CheckSchedule:
             return
         self._step_seconds = seconds if not self._step_seconds else (1 - _WEIGHT) * self._step_seconds + _WEIGHT * seconds
         self._credit += SHARE * seconds
+        self._learn_credit += LEARN_SHARE * seconds
+        unsettled, self._unsettled = self._unsettled, []
+        for measured, learning in unsettled:
+            self.measured(measured, learning=learning)
+
+    def may_learn(self) -> bool:
+        """Whether a step whose costs a bound gives may be measured instead."""
+        return self._step_seconds > 0 and self._learn_credit >= self._learn_cost
+
+    def measured(self, seconds: float, *, learning: bool = False) -> None:
+        """A measured step took ``seconds``: what it added beyond an unmetered step is
+        what the next would add; one measured to learn (``learning``) draws it from what
+        learning may spend."""
+        if not self._step_seconds:
+            self._unsettled.append((seconds, learning))  # told once a step is timed
+            return
+        cost = max(0.0, seconds - self._step_seconds)
+        self._learn_cost = cost if not self._learn_cost else (1 - _WEIGHT) * self._learn_cost + _WEIGHT * cost
+        if learning:
+            self._learn_credit -= cost

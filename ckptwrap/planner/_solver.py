@@ -221,7 +221,8 @@ def solve_budget(items: Sequence[CostItem], budget: int, *, base: int, tail: int
     search = _Search(items, base, budget, _pooled(items), tail=tail)
     plan = search.run()
     if plan is None:
-        lowest_plan = _Search(items, base, None, tail=tail).run()
+        # Inside the step it plans, within the budget's share as the search above was.
+        lowest_plan = _Search(items, base, None, tail=tail, memory=budget).run()
         assert lowest_plan is not None  # without a budget every plan is allowed
         lowest = _peak(items, lowest_plan[0], base, tail, lowest_plan[1])
         if lowest > budget:

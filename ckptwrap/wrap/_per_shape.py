@@ -101,7 +101,7 @@ class PlanPerShape:
         if decision.choice is None:  # a layout no longer measured: least memory, unmeasured
             self._apply(model, self._least_memory(), decision)
         else:
-            self._apply(model, measured(self.unmeasured, decision.choice), decision)
+            self._apply(model, measured(self.unmeasured, decision.choice, decision.source), decision)
             self._solved = True
             if decision.check and not self._overlapping:
                 meter = SpanPeak(device, reset=decision.reset).start()
@@ -168,9 +168,10 @@ class PlanPerShape:
                 f"{shapes} under the plan of least memory ({len(new)} module(s) checkpointed)."
             )
             return
+        bound = " at most" if new.costs_from in ("bounded", "scaled") else ""
         note(
             f"ckptwrap applied {new.policy!r} for {type(model).__name__}'s inputs of {shapes}: "
-            f"{len(new)} module(s) checkpointed, {(new.predicted_peak or 0) / 2**20:.1f} MiB "
+            f"{len(new)} module(s) checkpointed,{bound} {(new.predicted_peak or 0) / 2**20:.1f} MiB "
             f"predicted at the training step's peak (model.ckptwrap_plan has the details)."
         )
 

@@ -224,8 +224,9 @@ def _forward_parameters(model: nn.Module) -> Tuple[Optional[Set[str]], Optional[
     return names, positions
 
 
-def measured(unmeasured: Plan, choice: Choice) -> Plan:
-    """``unmeasured`` with the choice measured costs made, and their predictions."""
+def measured(unmeasured: Plan, choice: Choice, costs_from: str = "measured") -> Plan:
+    """``unmeasured`` with the choice made from costs (``costs_from``: where they came
+    from), and its predictions."""
     return dataclasses.replace(
         unmeasured,
         selected=choice.entries,
@@ -234,6 +235,7 @@ def measured(unmeasured: Plan, choice: Choice) -> Plan:
         activation_bytes=choice.activation_bytes,
         predicted_peak=choice.predicted_peak,
         plain_peak=choice.plain_peak,
+        costs_from=costs_from,
     )
 
 

@@ -51,7 +51,11 @@ def _peak(model, name: str, rows: int, length: int) -> int:
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_step_peaks_at_shapes_never_measured_are_predicted_within_5_percent(name):
+def test_step_peaks_at_shapes_never_measured_are_predicted_within_5_percent(name, monkeypatch):
+    # Learning as fast as it can: every learning shape without trusted costs is measured
+    # (in a loop, measuring to learn is held to a share of the training time, and a
+    # bound from the shapes measured stands in meanwhile).
+    monkeypatch.setattr("ckptwrap.planner._schedule.LEARN_SHARE", 1e9)
     largest = ZOO[name](4, 256)
     plain = copy.deepcopy(largest.model)
     # An absolute budget, so that the plans checkpoint more as the shapes grow.

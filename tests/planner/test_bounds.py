@@ -1,0 +1,194 @@
+"""Costs bounded from the shapes measured: a step at a shape no trusted fit stands for is
+solved from a larger measured shape's costs, or a smaller one's scaled up, instead of
+being measured; the step keeps the budget (read at the CPU allocator, an independent
+meter), its gradients are the plain model's, and measuring to learn is held to a share of
+the training time.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import ckptwrap
+from ckptwrap.planner._schedule import LEARN_SHARE, CheckSchedule
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+from gpt import GPT, GPTConfig  # noqa: E402
+from wrap._meter import allocator_step_peak  # noqa: E402
+from wrap._models import assert_same, grads  # noqa: E402
+
+_VOCAB = 64
+OVER = 0.03
+"""A step may pass the budget by this share of the plain peak (the benchmark's target)."""
+
+
+def _gpt() -> nn.Module:
+    torch.manual_seed(0)
+    config = GPTConfig(vocab=_VOCAB, width=32, heads=2, layers=4, seq_len=256, dropout=0.1)
+    return GPT(config).train()
+
+
+def _batch(rows: int, length: int):
+    ids = torch.randint(_VOCAB, (rows, length + 1), generator=torch.Generator().manual_seed(97 * rows + length))
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _step(model: nn.Module, batch) -> torch.Tensor:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(3)
+    loss = model(*batch)
+    loss.backward()
+    return loss.detach()
+
+
+def _planner(model: nn.Module):
+    return next(h for h in model._forward_pre_hooks.values() if hasattr(h, "planner")).planner
+
+
+def _hook(model: nn.Module):
+    return next(h for h in model._forward_pre_hooks.values() if hasattr(h, "planner"))
+
+
+def _no_learning(monkeypatch) -> None:
+    # Measuring to learn is what a bound saves: off here, so that each step shows what
+    # stands without it.
+    monkeypatch.setattr("ckptwrap.planner._schedule.LEARN_SHARE", 0.0)
+
+
+def _budgeted(plain_at: tuple) -> tuple:
+    """A GPT, its plain twin, and an absolute budget halfway between the least and the
+    plain peak at ``plain_at`` (rows, length): long batches must checkpoint."""
+    model = _gpt()
+    plain = copy.deepcopy(model)
+    every = ckptwrap.plan(copy.deepcopy(model), "blocks", example_inputs=_batch(*plain_at))
+    budget = (every.predicted_peak + every.plain_peak) // 2
+    return ckptwrap.wrap_model(model, f"budget:{budget}B"), plain, budget
+
+
+def _run(model, plain, budget, rows, length, largest):
+    """One step of each on the same batch; the budget's read at the allocator."""
+    batch = _batch(rows, length)
+    peaks, losses = [], []
+    for each in (model, plain):
+        losses.append(None)
+
+        def step(each=each, index=len(losses) - 1):
+            losses[index] = _step(each, batch)
+
+        peaks.append(allocator_step_peak(step))
+    assert_same({"loss": losses[0]}, {"loss": losses[1]})
+    assert_same(grads(model), grads(plain), "gradients")
+    largest = max(largest, peaks[1])
+    assert peaks[0] - budget <= OVER * largest, (rows, length, peaks[0], budget)
+    applied = model.ckptwrap_plan
+    if applied.costs_from in ("bounded", "scaled"):
+        # Solved from a bound: its predictions are at or above the step's own.
+        assert applied.predicted_peak >= peaks[0] - OVER * largest, (rows, length, applied.predicted_peak, peaks[0])
+        assert applied.plain_peak >= peaks[1] - OVER * largest, (rows, length, applied.plain_peak, peaks[1])
+        assert "from a bound" in str(applied)
+    return largest
+
+
+def test_a_shape_smaller_than_one_measured_is_solved_from_its_costs(monkeypatch):
+    _no_learning(monkeypatch)
+    model, plain, budget = _budgeted((4, 192))
+    largest = _run(model, plain, budget, 4, 192, 0)
+    planner = _planner(model)
+    assert planner.measurements == 1
+    for rows, length in [(4, 64), (2, 150), (3, 191), (1, 30)]:
+        largest = _run(model, plain, budget, rows, length, largest)
+        decision = _hook(model)._step.decision
+        assert not decision.measure and decision.source == "bounded", (rows, length, decision.source)
+        assert model.ckptwrap_plan.costs_from == "bounded"
+    assert planner.measurements == 1, "a shape below the measured one was measured"
+
+
+def test_a_shape_a_little_larger_than_one_measured_is_solved_from_its_costs_scaled_up(monkeypatch):
+    _no_learning(monkeypatch)
+    model, plain, budget = _budgeted((4, 200))
+    largest = _run(model, plain, budget, 4, 160, 0)
+    planner = _planner(model)
+    measured = planner.measurements
+    for rows, length in [(4, 168), (4, 172)]:
+        largest = _run(model, plain, budget, rows, length, largest)
+        decision = _hook(model)._step.decision
+        assert not decision.measure and decision.source == "scaled", (rows, length, decision.source)
+        assert model.ckptwrap_plan.costs_from == "scaled"
+        scale = (length / 160) ** 2
+        measured_peak = planner._layouts.of(_batch(4, 160), {})[0].profiles[(4, 160)].step.total
+        bound = planner._layouts.of(_batch(rows, length), {})[0].profile_at((rows, length)).step.total
+        assert bound >= scale * measured_peak - 64, (bound, scale, measured_peak)
+    assert planner.measurements == measured
+
+
+def test_a_shape_far_larger_than_any_measured_is_measured_not_warned_about(monkeypatch):
+    _no_learning(monkeypatch)
+    model, plain, budget = _budgeted((4, 224))
+    largest = _run(model, plain, budget, 4, 16, 0)
+    planner = _planner(model)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        largest = _run(model, plain, budget, 4, 224, largest)
+    # A bound 196 times the measured costs fits no plan: the shape is measured, and no
+    # "no plan fits" is said of it.
+    assert not [w for w in said if "no plan fits" in str(w.message)]
+    assert _hook(model)._step.decision.measure
+    assert planner.measurements == 2
+
+
+def test_a_share_of_the_plain_peak_at_a_larger_shape_is_read_by_measuring_it(monkeypatch):
+    _no_learning(monkeypatch)
+    model = ckptwrap.wrap_model(_gpt(), "budget:50%")
+    _step(model, _batch(4, 160))
+    _step(model, _batch(4, 168))  # within a bound's reach, but the share's reference moves
+    assert _hook(model)._step.decision.measure
+    _step(model, _batch(4, 100))  # below: the reference stands
+    decision = _hook(model)._step.decision
+    assert not decision.measure and decision.source == "bounded"
+    assert _planner(model).measurements == 2
+
+
+def _steps_until_learning(schedule: CheckSchedule, seconds: float) -> int:
+    """Unmetered steps of ``seconds`` each until ``schedule`` lets a step be measured to learn."""
+    steps = 0
+    while not schedule.may_learn():
+        schedule.timed(seconds, checked=False)
+        steps += 1
+        assert steps < 10_000
+    return steps
+
+
+def test_measuring_to_learn_waits_for_its_share_of_the_training_time():
+    schedule = CheckSchedule()
+    assert not schedule.may_learn(), "nothing timed yet"
+    schedule.measured(0.30)  # one that could not be skipped: settled once a step is timed
+    schedule.timed(0.10, checked=False)
+    assert not schedule.may_learn()
+    # A measured step adds 0.2 s over an unmetered one: learning may measure once the
+    # steps have earned that much at LEARN_SHARE of their time (the step that could not be
+    # skipped drew nothing), and then waits as long again.
+    steps = _steps_until_learning(schedule, 0.10)
+    assert steps == pytest.approx(0.2 / (LEARN_SHARE * 0.10), abs=1.5)
+    schedule.measured(0.30, learning=True)
+    assert not schedule.may_learn()
+    assert _steps_until_learning(schedule, 0.10) == pytest.approx(steps, abs=1.5)
+
+
+def test_with_learning_on_a_bounded_shape_is_measured_once_the_share_allows(monkeypatch):
+    monkeypatch.setattr("ckptwrap.planner._schedule.LEARN_SHARE", 1e9)
+    model = ckptwrap.wrap_model(_gpt(), "budget:200MiB")
+    _step(model, _batch(4, 160))
+    for length in (100, 110, 120):  # solved from the bound until a step is timed unmetered
+        _step(model, _batch(4, length))
+        if _hook(model)._step.decision.measure:
+            break
+    assert _hook(model)._step.decision.measure, "learning never measured"
+    assert _planner(model).measurements == 2
