@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._errors import CheckpointConfigError
 from ._storages import tensors
-from ._workspace import run_held
+from ._workspace import may_hold, run_held
 
 __all__ = ["PeakMemory", "StorageCounter", "measure_peak", "outputs_of"]
 
@@ -217,7 +217,7 @@ class StorageCounter(TorchDispatchMode):
         if self._closed:
             return func(*args, **kwargs)
         self.ops += 1
-        if self._workspaces and _may_hold(func):
+        if self._workspaces and may_hold(func):
             before = self.live_bytes
             out, held = run_held(func, args, kwargs)
             self._record(func, out, args, kwargs)
@@ -356,8 +356,6 @@ class StorageCounter(TorchDispatchMode):
 _aten = torch.ops.aten
 _UNDECLARED_VIEWS = frozenset({_aten._unsafe_view.default})
 """Operators whose schema declares a new output where they return a view of an input."""
-_HOLDERS = frozenset({_aten.convolution, _aten.convolution_backward})
-"""Operators that may hold memory beyond their outputs while they run (``_workspace``)."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -370,11 +368,6 @@ def outputs_of(func: Any) -> Optional[bool]:
         return None
     aliased = {ret.alias_info is not None for ret in schema.returns}
     return None if len(aliased) > 1 else not aliased.pop()
-
-
-@functools.lru_cache(maxsize=None)
-def _may_hold(func: Any) -> bool:
-    return getattr(func, "overloadpacket", None) in _HOLDERS
 
 
 def _leaves(value: Any) -> Any:

@@ -22,6 +22,7 @@ weight; rounded up to 1 and 1.6.
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 from typing import Any, Dict, Optional, Tuple
 
@@ -29,7 +30,7 @@ import torch
 
 from .. import _torch_private
 
-__all__ = ["run_held"]
+__all__ = ["may_hold", "run_held"]
 
 _aten = torch.ops.aten
 _BOUND = {"convolution": 1.0, "convolution_backward": 1.6}
@@ -64,14 +65,17 @@ def run_held(func: Any, args: Any, kwargs: Dict[str, Any]) -> Tuple[Any, int]:
     return out, held
 
 
+@functools.lru_cache(maxsize=None)
+def may_hold(func: Any) -> bool:
+    """Whether ``func`` is an operator that may hold memory beyond its outputs while it
+    runs (a convolution, forward or backward): the others need no :func:`run_held`."""
+    return getattr(func, "overloadpacket", None) in (_aten.convolution, _aten.convolution_backward)
+
+
 def _convolution(func: Any, args: Any) -> Optional[str]:
-    packet = getattr(func, "overloadpacket", None)
-    if packet is _aten.convolution:
-        name = "convolution"
-    elif packet is _aten.convolution_backward:
-        name = "convolution_backward"
-    else:
+    if not may_hold(func):
         return None
+    name = func.overloadpacket.__name__
     first = args[0] if args else None
     if not isinstance(first, torch.Tensor) or first.device.type != "cpu" or first.layout != torch.strided:
         return None

@@ -183,17 +183,12 @@ class LayoutCosts:
         growth and the square of the largest length's growth (``scaled``). The measured
         shape whose bound peaks lowest."""
         names = self.layout.names
-        best: Optional[Tuple[float, Sizes]] = None
-        for point, profile in self.profiles.items():
-            if point in self.remeasure:
-                continue
-            scale = _growth(names, point, sizes)
-            if best is None or scale * _peak(profile) < best[0]:
-                best = (scale * _peak(profile), point)
-        if best is None:
+        scaled = [
+            (_growth(names, point, sizes), point) for point in self.profiles if point not in self.remeasure
+        ]
+        if not scaled:
             return None
-        point = best[1]
-        scale = _growth(names, point, sizes)
+        scale, point = min(scaled, key=lambda pair: pair[0] * _peak(self.profiles[pair[1]]))
         if scale == 1.0:
             return "bounded", self.profiles[point]
         single = self._single.get(point)

@@ -11,6 +11,9 @@ __all__ = ["Plan", "PlanEntry"]
 
 _MIB = float(1 << 20)
 
+BOUNDS = ("bounded", "scaled")
+"""The sources of costs (``Plan.costs_from``) that are bounds from a measured shape."""
+
 
 @dataclasses.dataclass(frozen=True)
 class PlanEntry:
@@ -86,6 +89,12 @@ class Plan:
     a measured shape (``bounded``: a larger shape's costs; ``scaled``: a smaller one's,
     scaled up), whose ``predicted_peak`` and ``plain_peak`` are then at or above the
     step's own."""
+
+    @property
+    def from_bound(self) -> bool:
+        """Whether the plan was solved from a bound (``costs_from``): its predictions are
+        at or above the step's own."""
+        return self.costs_from in BOUNDS
 
     @property
     def names(self) -> List[str]:
@@ -175,7 +184,7 @@ class Plan:
             )
             if self.budget is not None:
                 summary += f"; budget {self.budget / _MIB:.2f} MiB"
-            if self.costs_from in ("bounded", "scaled"):
+            if self.from_bound:
                 summary += " (from a bound: at or above the step's own)"
             lines.append(summary)
             lines.append(

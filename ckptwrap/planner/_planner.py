@@ -35,6 +35,7 @@ from ._choose import Choice, choose, plain_peak
 from ._decision import Decision
 from ._measuring import LayoutCosts, Layouts, PlanSettings, measuring, region_bytes
 from ._module_costs import ModelProfile
+from ._plan import BOUNDS
 from ._profile import _resolve_targets, measure_inputs, step_device
 from ._schedule import CheckSchedule
 from ._solver import PercentBudget
@@ -139,7 +140,7 @@ class ShapePlanner:
         if costs.given_up:
             return Decision(costs, sizes, measure=False, region=region)
         source = costs.source_at(sizes)
-        bounded = source in ("bounded", "scaled")
+        bounded = source in BOUNDS
         # A share of the plain peak at a shape larger than any measured: that peak is
         # known only by measuring it.
         if source is None or (source == "scaled" and self._percent):

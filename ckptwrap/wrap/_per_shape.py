@@ -168,7 +168,7 @@ class PlanPerShape:
                 f"{shapes} under the plan of least memory ({len(new)} module(s) checkpointed)."
             )
             return
-        bound = " at most" if new.costs_from in ("bounded", "scaled") else ""
+        bound = " at most" if new.from_bound else ""
         note(
             f"ckptwrap applied {new.policy!r} for {type(model).__name__}'s inputs of {shapes}: "
             f"{len(new)} module(s) checkpointed,{bound} {(new.predicted_peak or 0) / 2**20:.1f} MiB "
