@@ -76,6 +76,7 @@ def choose(
     recompute: bool = True,
     region_bytes: int = 0,
     strict: bool = True,
+    settle: bool = True,
 ) -> Choice:
     """Choose among ``candidates`` (``(name, class name)``) from ``profile``.
 
@@ -86,7 +87,8 @@ def choose(
     the plan of least memory is chosen, marked not ``reachable``. Without a budget: every
     candidate, each in its own region, with its predictions (modules profiled beside the
     candidates stay as they are). ``recompute`` (the plain tier) labels each entry with
-    how it is checkpointed.
+    how it is checkpointed. Without ``settle`` (``solve_budget``'s), a budget the search
+    within it finds no plan for raises at once, ``strict`` or not.
     """
     names = [name for name, _ in candidates]
     if budget is None:
@@ -110,9 +112,9 @@ def choose(
         dropped: List[Tuple[str, str]] = []
     else:
         try:
-            solution = solve_budget(items, budget, base=base, tail=tail)
+            solution = solve_budget(items, budget, base=base, tail=tail, settle=settle)
         except CheckpointConfigError:
-            if strict:
+            if strict or not settle:
                 raise
             solution, reachable = lowest_plan(items, base=base, tail=tail), False
         peak = solution.predicted_peak

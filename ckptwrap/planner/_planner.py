@@ -326,13 +326,14 @@ class ShapePlanner:
                 costs.profile_at(sizes), settings.candidates, target,
                 describe=settings.budget.describe() if settings.budget is not None else "the budget",
                 segments=settings.segments, levels=levels, recompute=settings.recompute,
-                region_bytes=region, strict=strict or bounded,
+                region_bytes=region, strict=strict, settle=not bounded,
             )
         except CheckpointConfigError as error:
             if bounded:
-                # Returned from here, the error goes at once, and with it the solver's
-                # arrays its frames hold (raised on, a cycle would keep them to the
-                # next garbage collection: inside the step).
+                # No plan under a bound: the caller measures. Returned from here, the
+                # error goes at once, and with it the solver's arrays its frames hold
+                # (raised on, a cycle would keep them to the next garbage collection:
+                # inside the step).
                 return None
             raise CheckpointConfigError(f"at inputs of {costs.layout.describe(sizes)}: {error}") from None
         choice = dataclasses.replace(choice, budget=budget)

@@ -100,8 +100,7 @@ class _Search:
     With ``budget`` None it finds the lowest peak instead: every time counts as zero, and
     no recomputation is ruled out. ``times`` are the seconds the program weighs, per item
     those of the full recomputation and then of each option (the solver passes pooled
-    times, see ``_solver``); None means the items' own. ``memory``: the bytes a share of
-    which the program's arrays stay within (the budget by default; None: no bound).
+    times, see ``_solver``); None means the items' own.
     """
 
     def __init__(
@@ -112,10 +111,8 @@ class _Search:
         times: Optional[Sequence[Sequence[float]]] = None,
         *,
         tail: int = 0,
-        memory: Optional[int] = None,
     ) -> None:
         self.items, self.base, self.budget, self.tail = items, base, budget, tail
-        self.memory = budget if memory is None else memory
         if times is None:
             times = [(item.time, *(option.time for option in item.options)) for item in items]
         self.times = [list(row) for row in times]
@@ -167,7 +164,7 @@ class _Search:
         n = max(1, self.n)
         # The solve runs inside the step it plans (a training forward's pre-hook), on the
         # CPU in the memory the budget caps: its arrays stay within a share of the budget.
-        held = _NEVER if self.memory is None else max(1024, self.memory // (_BUDGET_SHARE * (_ENTRY_BYTES + n)))
+        held = _NEVER if self.budget is None else max(1024, self.budget // (_BUDGET_SHARE * (_ENTRY_BYTES + n)))
         if -(-span // grain) <= min(_EXACT_STEPS, max(1024, _MAX_CELLS // n), held):
             return grain, True
         extra = max(1, sum(max(0, len(ways) - 1) for ways in self.alone))

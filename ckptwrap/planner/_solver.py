@@ -177,7 +177,9 @@ def lowest_plan(items: Sequence[CostItem], *, base: int, tail: int = 0) -> Budge
     return solve_budget(items, lowest, base=base, tail=tail)
 
 
-def solve_budget(items: Sequence[CostItem], budget: int, *, base: int, tail: int = 0) -> BudgetSolution:
+def solve_budget(
+    items: Sequence[CostItem], budget: int, *, base: int, tail: int = 0, settle: bool = True
+) -> BudgetSolution:
     """The plan of least recompute time whose predicted peak fits ``budget``.
 
     Each candidate stays plain, is checkpointed alone (recomputing all of it, or with one
@@ -198,6 +200,11 @@ def solve_budget(items: Sequence[CostItem], budget: int, *, base: int, tail: int
         base: Bytes of activations outside every candidate.
         tail: Bytes the end of the forward and the backward of the code after the last
             candidate hold besides (see :func:`predicted_peak`).
+        settle: Where the search within the budget finds no plan, search again without
+            one, to tell a budget below reach (with the least peak) from one that a
+            coarse axis hid a plan for. Without, raise at once (that search's arrays are
+            not bounded by the budget, which matters where the solve runs inside the
+            step it plans and a plan is not needed).
 
     Returns:
         The plan; see :class:`BudgetSolution`.
@@ -220,9 +227,10 @@ def solve_budget(items: Sequence[CostItem], budget: int, *, base: int, tail: int
         return BudgetSolution((), empty, 0.0, budget, 1)
     search = _Search(items, base, budget, _pooled(items), tail=tail)
     plan = search.run()
+    if plan is None and not settle:
+        raise CheckpointConfigError(f"no plan was found within the budget of {format_bytes(budget)}")
     if plan is None:
-        # Inside the step it plans, within the budget's share as the search above was.
-        lowest_plan = _Search(items, base, None, tail=tail, memory=budget).run()
+        lowest_plan = _Search(items, base, None, tail=tail).run()
         assert lowest_plan is not None  # without a budget every plan is allowed
         lowest = _peak(items, lowest_plan[0], base, tail, lowest_plan[1])
         if lowest > budget:
