@@ -184,10 +184,10 @@ class StorageCounter(TorchDispatchMode):
         self._workspaces = workspaces
         self.moments: List[int] = []
         self.created_bytes = 0
-        # Storages counted and still alive: key -> bytes counted for it, and the weak
-        # reference whose callback reports its release (dropping it cancels the callback).
-        self._sizes: Dict[int, int] = {}
-        self._refs: Dict[int, weakref.ref] = {}
+        # Storages counted and still alive: key -> the weak reference whose callback
+        # reports its release (dropping it cancels the callback), with the bytes counted.
+        self._refs: Dict[int, _Counted] = {}
+        self._on_release: Any = self._release  # one bound method for every reference
         # Finalizers only append here: they can fire in the middle of our own
         # bookkeeping (a garbage collection) or on another thread, and a list append is
         # atomic, whereas updating the running total from there could be lost.
@@ -248,25 +248,20 @@ class StorageCounter(TorchDispatchMode):
         self._closed = True
         with self._lock:
             self._refs.clear()
-            self._sizes.clear()
+        self._on_release = None  # no cycle through it once nothing is counted
 
     def _record(self, func: Any, out: Any, args: Any, kwargs: Any) -> None:
         """Count the storages among ``out`` that this operator created."""
-        before = self.created_bytes
-        self._count_outputs(outputs_of(func), out, args, kwargs)
-        if self._trace and self.created_bytes != before:
+        if self._count_outputs(outputs_of(func), out, args, kwargs) and self._trace:
             with self._lock:
                 self.moments.append(self._live)
 
     def adopt(self, tensor: torch.Tensor) -> None:
         """Count ``tensor``'s storage from now until it is freed, as if an operator had
         made it: a tensor made outside the dispatcher (a generator's state)."""
-        if not self._closed:
-            before = self.created_bytes
-            self._count_outputs(True, tensor, (), {})
-            if self._trace and self.created_bytes != before:
-                with self._lock:
-                    self.moments.append(self._live)
+        if not self._closed and self._count_outputs(True, tensor, (), {}) and self._trace:
+            with self._lock:
+                self.moments.append(self._live)
 
     def _peak_at(self, nbytes: int) -> None:
         """A moment at which ``nbytes`` were held; the lock is held."""
@@ -274,24 +269,28 @@ class StorageCounter(TorchDispatchMode):
         if self._trace:
             self.moments.append(nbytes)
 
-    def _count_outputs(self, outputs: Optional[bool], out: Any, args: Any, kwargs: Any) -> None:
-        """Count the storages among ``out`` that the operator created. ``outputs`` is what
-        its schema says of them (``outputs_of``): True, new tensors; False, its inputs
-        or views of them; None, either (the inputs are then looked at)."""
+    def _count_outputs(self, outputs: Optional[bool], out: Any, args: Any, kwargs: Any) -> bool:
+        """Count the storages among ``out`` that the operator created; whether it created
+        any. ``outputs`` is what its schema says of them (``outputs_of``): True, new
+        tensors; False, its inputs or views of them; None, either (the inputs are then
+        looked at). Every operator of a metered step passes here: kept to plain statements."""
+        created = False
         input_keys: Set[int] | None = None
+        refs = self._refs
         for leaf in (out,) if type(out) is torch.Tensor else _leaves(out):
             storage = self._storage_of(leaf)
             if storage is None:
                 continue
             key = storage._cdata
             nbytes = storage.nbytes()
-            with self._lock:
-                counted = self._sizes.get(key)
-                if counted is not None:
-                    if nbytes > counted:  # resized in place, e.g. by an out= operator
-                        self._sizes[key] = nbytes
-                        self._add(nbytes - counted)
-                    continue
+            counted = refs.get(key)
+            if counted is not None:
+                if nbytes > counted.nbytes:  # resized in place, e.g. by an out= operator
+                    with self._lock:
+                        self._add(nbytes - counted.nbytes)
+                        counted.nbytes = nbytes
+                    created = True
+                continue
             if outputs is False:
                 # An input or a view of one that was not counted: it existed before.
                 continue
@@ -304,12 +303,15 @@ class StorageCounter(TorchDispatchMode):
                     # Returned an input or a view of one: no new memory. An input
                     # storage we do not count existed before the block.
                     continue
+            ref = _Counted(storage, self._on_release)
+            ref.key, ref.nbytes = key, nbytes
             with self._lock:
-                if key in self._sizes:
+                if key in refs:
                     continue
-                self._sizes[key] = nbytes
-                self._refs[key] = weakref.ref(storage, functools.partial(self._release, key))
+                refs[key] = ref
                 self._add(nbytes)
+            created = created or nbytes > 0
+        return created
 
     def _add(self, nbytes: int) -> None:
         """Apply the frees reported so far, then the new allocation; the lock is held."""
@@ -320,12 +322,11 @@ class StorageCounter(TorchDispatchMode):
         if self._live > self.peak_bytes:
             self.peak_bytes = self._live
 
-    def _release(self, key: int, _ref: Any = None) -> None:
+    def _release(self, ref: "_Counted") -> None:
         """Called back when a counted storage is released: report its bytes as freed."""
-        self._refs.pop(key, None)
-        nbytes = self._sizes.pop(key, None)
-        if nbytes is not None:
-            self._freed.append(nbytes)
+        refs = self._refs
+        if refs.get(ref.key) is ref and refs.pop(ref.key, None) is not None:
+            self._freed.append(ref.nbytes)
 
     def _storage_of(self, value: Any) -> torch.UntypedStorage | None:
         """The storage behind ``value`` if it is a dense tensor on the measured device."""
@@ -351,6 +352,12 @@ class StorageCounter(TorchDispatchMode):
                 except (RuntimeError, NotImplementedError, TypeError):
                     pass
         return keys
+
+
+class _Counted(weakref.ref):
+    """A weak reference to a counted storage, with its key and the bytes counted for it."""
+
+    __slots__ = ("key", "nbytes")
 
 
 _aten = torch.ops.aten

@@ -17,7 +17,7 @@ from ._items import forward_items, forward_levels, with_step_terms
 from ._ops import OpCost, packet_name
 from ._plan import Plan, PlanEntry
 from ._measuring import PlanSettings, is_measuring, region_bytes
-from ._planner import Decision, ShapePlanner, resolve_budget
+from ._planner import Decision, ShapePlanner
 from ._recorder import StepRecorder
 from ._module_costs import ModelProfile, ModuleCost
 from ._profile import profile_modules, step_device
@@ -26,6 +26,7 @@ from ._solver import (
     PercentBudget,
     lowest_plan,
     pooled_times,
+    resolve_budget,
     smallest_reachable_peak,
     solve_budget,
 )

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..measure import StorageMap, Tally, tensor_storages, tensors
 from ._module_costs import ModuleCost
-from ._ops import OpRecorder, merge_calls
+from ._ops import OpCost, OpRecorder, merge_calls
 from ._phases import Window
 from ._progress import ProgressBar
 from ._records import InputLedger, Record, _highest
@@ -235,7 +235,8 @@ def _timed_ops(ops: Tuple[Any, ...], seconds: float) -> Tuple[Any, ...]:
     work = [op.flops + 8 * op.bytes for op in ops]
     total = sum(work)
     even = seconds * (_SPREAD if total > 0 else 1.0) / len(ops)
+    by_work = seconds * (1 - _SPREAD)
     return tuple(
-        dataclasses.replace(op, time=even + (seconds * (1 - _SPREAD) * w / total if total > 0 else 0.0))
+        OpCost(op.op, op.occurrence, op.bytes, op.saved, op.flops, even + (by_work * w / total if total > 0 else 0.0), op.mutated)
         for op, w in zip(ops, work)
     )

@@ -233,7 +233,8 @@ def predicted_peak(
 
 
 def _is_int(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    # Checked for every term of every item each plan is solved on: plain ints first.
+    return type(value) is int or (isinstance(value, numbers.Integral) and not isinstance(value, bool))
 
 
 def _check_bytes(value: object, what: str) -> int:
@@ -245,7 +246,7 @@ def _check_bytes(value: object, what: str) -> int:
 
 
 def _check_time(value: object, what: str) -> float:
-    real = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    real = type(value) is float or (isinstance(value, numbers.Real) and not isinstance(value, bool))
     if not real or not math.isfinite(value) or value < 0:  # type: ignore[arg-type,operator]
         raise CheckpointConfigError(
             f"{what} must be a finite, non-negative number of seconds; got {value!r}"

@@ -41,6 +41,8 @@ class Decision:
     """Bytes the engine keeps per checkpointed call besides its inputs (``region_bytes``)."""
     margin: float = 0.0
     """The share of the un-checkpointed peak the plan kept free beyond its prediction."""
+    seconds: float = 0.0
+    """With ``measure``: how long the step took, forward to end of backward, once it has."""
 
     def describe(self) -> str:
         if self.costs is None:

@@ -199,10 +199,13 @@ class _PhaseCounter(StorageCounter):
         self.windows: List[_OpenWindow] = []
 
     def _add(self, nbytes: int) -> None:
-        super()._add(nbytes)
-        self._phase_peak = max(self._phase_peak, self._live)
+        # Once per storage an operator makes: kept to plain statements.
+        StorageCounter._add(self, nbytes)
+        live = self._live
+        if live > self._phase_peak:
+            self._phase_peak = live
         for window in self.windows:
-            window._moments.append(self._live)
+            window._moments.append(live)
 
     def _peak_at(self, nbytes: int) -> None:
         super()._peak_at(nbytes)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import math
 import pickle
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
@@ -30,7 +31,6 @@ from torch import nn
 
 from .._errors import CheckpointConfigError
 from .._warn import note, warn
-from ..policy import Budget
 from ._choose import Choice, choose, plain_peak
 from ._decision import Decision
 from ._measuring import LayoutCosts, Layouts, PlanSettings, measuring, region_bytes
@@ -38,10 +38,10 @@ from ._module_costs import ModelProfile
 from ._plan import BOUNDS
 from ._profile import _resolve_targets, measure_inputs, step_device
 from ._schedule import CheckSchedule
-from ._solver import PercentBudget
+from ._solver import resolve_budget
 from ._timing import dispatch_cost, selective_cost
 
-__all__ = ["Decision", "ShapePlanner", "resolve_budget"]
+__all__ = ["Decision", "ShapePlanner"]
 
 Sizes = Tuple[int, ...]
 
@@ -145,7 +145,7 @@ class ShapePlanner:
         # known only by measuring it.
         if source is None or (source == "scaled" and self._percent):
             return Decision(costs, sizes, measure=True, region=region)
-        if bounded and not costs.fits(sizes) and self._schedule.may_learn():
+        if bounded and not costs.fits(sizes) and self._schedule.may_learn(math.prod(sizes)):
             return Decision(costs, sizes, measure=True, region=region, learn=True)
         choice = self._choice(costs, sizes, region, strict=False, model=model, bounded=bounded)
         if choice is None:
@@ -154,7 +154,7 @@ class ShapePlanner:
             # not bound).
             return Decision(costs, sizes, measure=True, region=region)
         cheap = device.type not in ("cpu", "meta")
-        check = self._schedule.due(cheap=cheap) and fresh()
+        check = self._schedule.due(cheap=cheap, size=math.prod(sizes)) and fresh()
         reset, self._reset = self._reset and check, self._reset and not check
         return Decision(
             costs, sizes, measure=False, choice=choice, source=source, check=check, reset=reset,
@@ -186,8 +186,11 @@ class ShapePlanner:
             return
         said = costs.learn(decision.sizes, profile)
         self._measured += 1
+        if decision.seconds:
+            self._schedule.measured(decision.seconds, size=math.prod(decision.sizes), learning=decision.learn)
         self._forget_plans(costs)
-        self._schedule.soon()
+        if not decision.learn:  # a step measured to learn was itself the fit's test
+            self._schedule.soon()
         note(
             f"ckptwrap measured a training step at inputs of {decision.describe()} "
             f"({profile.step.total / 2**20 if profile.step else 0:.1f} MiB under the plan of least "
@@ -204,9 +207,9 @@ class ShapePlanner:
     def timed(self, decision: Decision, seconds: float) -> None:
         """The step of ``decision`` took ``seconds``, forward to end of backward."""
         if decision.measure:
-            self._schedule.measured(seconds, learning=decision.learn)
+            decision.seconds = seconds  # told with the profile (its size), when taken in
         elif decision.choice is not None:
-            self._schedule.timed(seconds, checked=decision.metered)
+            self._schedule.timed(seconds, checked=decision.metered, size=math.prod(decision.sizes))
 
     def abandoned(self, decision: Decision) -> None:
         """A measuring step ended without a backward."""
@@ -307,10 +310,7 @@ class ShapePlanner:
         costs are a bound (their plain peak is no reference for a share), and a budget out
         of reach under them gives None."""
         settings = self.settings
-        plain = self._plain.get((id(costs), sizes, region))
-        if plain is None:
-            plain = plain_peak(costs.profile_at(sizes), settings.names, region_bytes=region)
-            self._plain[(id(costs), sizes, region)] = plain
+        plain = self._plain_at(costs, sizes, region)
         budget = self._budget(plain, costs, reference=not bounded)
         kept_free = int(costs.margin * plain)
         key = (id(costs), sizes, None if budget is None else int(budget), kept_free)
@@ -352,6 +352,14 @@ class ShapePlanner:
             del self._plain[next(iter(self._plain))]
         return choice
 
+    def _plain_at(self, costs: LayoutCosts, sizes: Sizes, region: int) -> int:
+        """The un-checkpointed peak at ``sizes`` under ``costs``."""
+        plain = self._plain.get((id(costs), sizes, region))
+        if plain is None:
+            plain = plain_peak(costs.profile_at(sizes), self.settings.names, region_bytes=region)
+            self._plain[(id(costs), sizes, region)] = plain
+        return plain
+
     def _budget(self, plain: int, costs: LayoutCosts, *, reference: bool = True) -> Optional[int]:
         """The budget in bytes at a shape whose plain peak is ``plain`` (which counts for
         the largest so far, with ``reference``); with ``max_shapes`` and trusted costs,
@@ -376,19 +384,6 @@ class ShapePlanner:
             del self._plans[key]
         for key in [key for key in self._plain if key[0] == id(costs)]:
             del self._plain[key]
-
-
-def resolve_budget(budget: Budget, reference: int) -> int:
-    """``budget`` in bytes: its amount, or its share of ``reference`` (the predicted
-    un-checkpointed step peak it is read against) as a :class:`PercentBudget`, an int that
-    remembers its percentage, so that a budget below reach is reported in percent too."""
-    fraction, amount = budget.parsed()
-    if fraction is None:
-        return int(amount)  # type: ignore[arg-type]
-    return PercentBudget(
-        fraction, reference,
-        of="the un-checkpointed step's peak at the largest shape planned so far",
-    )
 
 
 def _mib(n: int) -> str:

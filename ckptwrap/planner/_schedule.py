@@ -2,10 +2,13 @@
 checks: each check costs a metered step (on the CPU, every operator goes through a
 counting dispatch mode; on an accelerator, reading the allocator's statistics is free).
 
-A check is due after a step is measured and after a check that missed, then after 1, 2,
-4, then every 8 solved steps while they hit. On the CPU checks are spaced further, so
+A check is due after a step is measured (one the planner could not do without: a step
+measured to learn was a test of the costs already) and after a check that missed, then
+after 1, 2, 4, then every 8 solved steps while they hit. On the CPU checks are spaced further, so
 that the time they add beyond unmetered steps stays within ``SHARE`` of the training
-time of the steps between them.
+time of the steps between them; there the check due after a measurement or a miss waits
+for a step no larger than the steps so far on average (or for the credit to pay for a
+larger one), rather than metering whichever comes next.
 
 Also here: when a step may be measured to learn, where a bound from the shapes measured
 already would do (``may_learn``). Measured steps cost several unmetered ones; those the
@@ -13,6 +16,14 @@ planner cannot do without (a layout's first shape, a shape no bound fits the bud
 shape whose plan missed) are always taken, and those it takes to learn more (to find a
 fit it can trust, for plans closer to the budget) add at most ``LEARN_SHARE`` of the
 training time, counted as checks are.
+
+What a metered step adds grows with the step: each step comes with its *size* (the
+product of its shape variables, batch and lengths: a measure of its work known before it
+runs, whatever its costs came from), unmetered steps give the seconds per unit of size,
+and a metered one what it adds as a share of the time an unmetered step of its size
+takes (never less than the shortest step timed). A check or measurement is due where that share of
+the coming step's own time is within what the training so far allows: a check learned on
+a short batch is not taken as the price of a long one.
 """
 
 from __future__ import annotations
@@ -41,23 +52,32 @@ class CheckSchedule:
         self._interval = 1
         self._urgent = True
         self._credit = 0.0  # seconds of checking the time trained so far allows
-        self._step_seconds = 0.0  # running mean of unmetered steps
-        self._cost = 0.0  # running mean of what a check adds to a step
+        self._rate = 0.0  # running mean of seconds per unit of size, unmetered steps
+        self._size = 0.0  # running mean of their sizes
+        self._shortest = 0.0  # the shortest of them: what a step takes at least, however small
+        self._cost = 0.0  # running mean of what a check adds, per second of its step
         self._learn_credit = 0.0  # seconds of measuring to learn the time so far allows
-        self._learn_cost = 0.0  # running mean of what a measured step adds to a step
-        self._unsettled: List[Tuple[float, bool]] = []  # measured before any step was timed
+        self._learn_cost = 0.0  # running mean of what a measured step adds, per second of its step
+        # Metered before any step was timed unmetered: (seconds, size, kind), told once one is.
+        self._unsettled: List[Tuple[float, int, str]] = []
 
     def step(self) -> None:
         """A training step begins."""
         self._steps += 1
 
-    def due(self, *, cheap: bool) -> bool:
-        """Whether the solved step beginning now is checked; ``cheap``: metering costs nothing."""
+    def due(self, *, cheap: bool, size: int) -> bool:
+        """Whether the solved step beginning now, of ``size``, is checked; ``cheap``:
+        metering costs nothing."""
         if cheap:
             return True
         if self._steps < self._next:
             return False
-        return self._urgent or self._credit >= self._cost
+        if self._urgent and (not self._size or size <= self._size * (1 + 1e-9)):
+            return True  # no larger than the steps so far, on average (or the first)
+        # Before any check was timed, a measured step's share stands for a check's (a
+        # check meters less: it costs at most as much).
+        cost = self._cost or self._learn_cost
+        return self._credit >= cost * self._seconds(size)
 
     def soon(self) -> None:
         """Check the next solved step (costs were learned, or a check missed)."""
@@ -73,32 +93,48 @@ class CheckSchedule:
         """A check could not tell (an accelerator's peak not reset): the next one decides."""
         self._next = self._steps + 1
 
-    def timed(self, seconds: float, *, checked: bool) -> None:
-        """A solved step took ``seconds``, metered (``checked``) or not."""
+    def timed(self, seconds: float, *, checked: bool, size: int) -> None:
+        """A solved step of ``size`` took ``seconds``, metered (``checked``) or not."""
         if checked:
-            cost = max(0.0, seconds - self._step_seconds)
-            self._cost = cost if not self._cost else (1 - _WEIGHT) * self._cost + _WEIGHT * cost
-            self._credit -= cost
+            self._metered(seconds, size, "check")
             return
-        self._step_seconds = seconds if not self._step_seconds else (1 - _WEIGHT) * self._step_seconds + _WEIGHT * seconds
+        rate = seconds / max(size, 1)
+        self._rate = rate if not self._rate else (1 - _WEIGHT) * self._rate + _WEIGHT * rate
+        self._size = size if not self._size else (1 - _WEIGHT) * self._size + _WEIGHT * size
+        self._shortest = seconds if not self._shortest else min(self._shortest, seconds)
         self._credit += SHARE * seconds
         self._learn_credit += LEARN_SHARE * seconds
         unsettled, self._unsettled = self._unsettled, []
-        for measured, learning in unsettled:
-            self.measured(measured, learning=learning)
+        for each in unsettled:
+            self._metered(*each)
 
-    def may_learn(self) -> bool:
-        """Whether a step whose costs a bound gives may be measured instead."""
-        return self._step_seconds > 0 and self._learn_credit >= self._learn_cost
+    def may_learn(self, size: int) -> bool:
+        """Whether a step of ``size`` whose costs a bound gives may be measured instead."""
+        return self._rate > 0 and self._learn_credit > 0 and self._learn_credit >= self._learn_cost * self._seconds(size)
 
-    def measured(self, seconds: float, *, learning: bool = False) -> None:
-        """A measured step took ``seconds``: what it added beyond an unmetered step is
-        what the next would add; one measured to learn (``learning``) draws it from what
-        learning may spend."""
-        if not self._step_seconds:
-            self._unsettled.append((seconds, learning))  # told once a step is timed
+    def measured(self, seconds: float, *, size: int, learning: bool = False) -> None:
+        """A measured step of ``size`` took ``seconds``: what it added beyond an unmetered
+        step is what the next would add, in proportion; one measured to learn
+        (``learning``) draws it from what learning may spend."""
+        self._metered(seconds, size, "learn" if learning else "measure")
+
+    def _seconds(self, size: int) -> float:
+        """What an unmetered step of ``size`` is expected to take: in proportion to its
+        size, and never less than the shortest step timed (a small model's steps take
+        about the same whatever their size: the operators' launch, not their work)."""
+        return max(self._rate * max(size, 1), self._shortest)
+
+    def _metered(self, seconds: float, size: int, kind: str) -> None:
+        expected = self._seconds(size)
+        if not expected:
+            self._unsettled.append((seconds, size, kind))
             return
-        cost = max(0.0, seconds - self._step_seconds)
-        self._learn_cost = cost if not self._learn_cost else (1 - _WEIGHT) * self._learn_cost + _WEIGHT * cost
-        if learning:
-            self._learn_credit -= cost
+        added = max(0.0, seconds - expected)
+        share = added / expected
+        if kind == "check":
+            self._cost = share if not self._cost else (1 - _WEIGHT) * self._cost + _WEIGHT * share
+            self._credit -= added
+            return
+        self._learn_cost = share if not self._learn_cost else (1 - _WEIGHT) * self._learn_cost + _WEIGHT * share
+        if kind == "learn":
+            self._learn_credit -= added

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 from .._errors import CheckpointConfigError
 from ._cost_model import (
@@ -25,6 +25,9 @@ from ._cost_model import (
 from ._moments import _peak
 from ._search import _Search
 
+if TYPE_CHECKING:
+    from ..policy import Budget
+
 __all__ = [
     "BudgetSolution",
     "CostItem",
@@ -34,6 +37,7 @@ __all__ = [
     "lowest_plan",
     "pooled_times",
     "predicted_peak",
+    "resolve_budget",
     "smallest_reachable_peak",
     "solve_budget",
 ]
@@ -72,6 +76,19 @@ class PercentBudget(int):
     def __reduce__(self) -> Tuple[object, ...]:
         # Pickled as its parts: int's own reduction would lose them.
         return (_percent_budget, (self.fraction, self.reference, self.of))
+
+
+def resolve_budget(budget: Budget, reference: int) -> int:
+    """``budget`` in bytes: its amount, or its share of ``reference`` (the predicted
+    un-checkpointed step peak it is read against) as a :class:`PercentBudget`, an int that
+    remembers its percentage, so that a budget below reach is reported in percent too."""
+    fraction, amount = budget.parsed()
+    if fraction is None:
+        return int(amount)  # type: ignore[arg-type]
+    return PercentBudget(
+        fraction, reference,
+        of="the un-checkpointed step's peak at the largest shape planned so far",
+    )
 
 
 def _percent_budget(fraction: float, reference: int, of: str) -> PercentBudget:

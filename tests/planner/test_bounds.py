@@ -156,11 +156,15 @@ def test_a_share_of_the_plain_peak_at_a_larger_shape_is_read_by_measuring_it(mon
     assert _planner(model).measurements == 2
 
 
+_SIZE = 1 << 20
+"""The size (un-checkpointed peak) of every step in the schedule tests."""
+
+
 def _steps_until_learning(schedule: CheckSchedule, seconds: float) -> int:
     """Unmetered steps of ``seconds`` each until ``schedule`` lets a step be measured to learn."""
     steps = 0
-    while not schedule.may_learn():
-        schedule.timed(seconds, checked=False)
+    while not schedule.may_learn(_SIZE):
+        schedule.timed(seconds, checked=False, size=_SIZE)
         steps += 1
         assert steps < 10_000
     return steps
@@ -168,17 +172,17 @@ def _steps_until_learning(schedule: CheckSchedule, seconds: float) -> int:
 
 def test_measuring_to_learn_waits_for_its_share_of_the_training_time():
     schedule = CheckSchedule()
-    assert not schedule.may_learn(), "nothing timed yet"
-    schedule.measured(0.30)  # one that could not be skipped: settled once a step is timed
-    schedule.timed(0.10, checked=False)
-    assert not schedule.may_learn()
+    assert not schedule.may_learn(_SIZE), "nothing timed yet"
+    schedule.measured(0.30, size=_SIZE)  # one that could not be skipped: settled once a step is timed
+    schedule.timed(0.10, checked=False, size=_SIZE)
+    assert not schedule.may_learn(_SIZE)
     # A measured step adds 0.2 s over an unmetered one: learning may measure once the
     # steps have earned that much at LEARN_SHARE of their time (the step that could not be
     # skipped drew nothing), and then waits as long again.
     steps = _steps_until_learning(schedule, 0.10)
     assert steps == pytest.approx(0.2 / (LEARN_SHARE * 0.10), abs=1.5)
-    schedule.measured(0.30, learning=True)
-    assert not schedule.may_learn()
+    schedule.measured(0.30, size=_SIZE, learning=True)
+    assert not schedule.may_learn(_SIZE)
     assert _steps_until_learning(schedule, 0.10) == pytest.approx(steps, abs=1.5)
 
 

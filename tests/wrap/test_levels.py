@@ -273,6 +273,7 @@ def test_switching_shape_plans_switches_each_modules_level(monkeypatch):
         )
 
     monkeypatch.setattr(choosing, "solve_budget", solve)
+    monkeypatch.setattr("ckptwrap.planner._schedule.LEARN_SHARE", 0.0)  # two solves, no more
     # The made-up solutions' predictions are no plan's: checks against them would miss.
     monkeypatch.setattr(ShapePlanner, "checked", lambda *args, **kwargs: None)
     model = wrap_model(make(TinyGPT), "budget:50%")
