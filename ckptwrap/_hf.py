@@ -22,12 +22,17 @@ import torch
 from torch import nn
 
 __all__ = [
+    "FLAGS",
     "cache_free_arguments",
     "checkpointing_flagged",
     "checkpointing_on",
+    "flags_on",
     "fresh_caches",
     "hf_layer_class",
+    "how_to_keep_off",
     "is_hf_layer_class",
+    "library_of",
+    "owners",
 ]
 
 _LAYERS_MODULE = "transformers.modeling_layers"
@@ -67,18 +72,55 @@ def _looked_up(cls: type) -> bool:
 _looked_up_eagerly = torch.compiler.assume_constant_result(_looked_up)
 
 
-_FLAG = "gradient_checkpointing"
+FLAGS = ("gradient_checkpointing", "grad_checkpointing")
+"""Attributes by which a module says it checkpoints itself or parts of itself:
+transformers' layers and stacks and diffusers' blocks (``gradient_checkpointing``), timm's
+models and stages (``grad_checkpointing``)."""
+
+_SWITCHES = {
+    "transformers": (
+        "model.gradient_checkpointing_disable() (no gradient_checkpointing_enable()), "
+        "TrainingArguments(gradient_checkpointing=False), and with TRL, whose SFTConfig turns "
+        "it on by default, SFTConfig(gradient_checkpointing=False)"
+    ),
+    "diffusers": "no model.enable_gradient_checkpointing() (or model.disable_gradient_checkpointing())",
+    "timm": "no model.set_grad_checkpointing() (or model.set_grad_checkpointing(False))",
+}
 
 
 def checkpointing_flagged(model: nn.Module) -> List[Tuple[str, nn.Module]]:
-    """The modules of ``model`` that carry transformers' own ``gradient_checkpointing``
-    flag (its layers, and some models' stacks), by qualified name."""
-    return [(name, m) for name, m in model.named_modules() if isinstance(getattr(m, _FLAG, None), bool)]
+    """The modules of ``model`` that carry a library's own checkpointing flag (``FLAGS``),
+    by qualified name."""
+    return [
+        (name, m) for name, m in model.named_modules()
+        if any(isinstance(getattr(m, flag, None), bool) for flag in FLAGS)
+    ]
 
 
 def checkpointing_on(module: nn.Module) -> bool:
-    """Whether transformers' own gradient checkpointing is on for ``module``."""
-    return getattr(module, _FLAG, None) is True
+    """Whether a library's own gradient checkpointing is on for ``module``."""
+    return any(getattr(module, flag, None) is True for flag in FLAGS)
+
+
+def flags_on(module: nn.Module) -> List[str]:
+    """The checkpointing flags that are on in ``module``."""
+    return [flag for flag in FLAGS if getattr(module, flag, None) is True]
+
+
+def library_of(module: nn.Module) -> str:
+    """The library ``module``'s class comes from (its top package), e.g. ``diffusers``."""
+    return type(module).__module__.split(".")[0]
+
+
+def owners(libraries: List[str]) -> str:
+    """``transformers'``, ``timm's``, ``diffusers' and timm's``: whose checkpointing."""
+    return " and ".join(name + ("'" if name.endswith("s") else "'s") for name in libraries)
+
+
+def how_to_keep_off(libraries: List[str]) -> str:
+    """How to leave these libraries' own checkpointing off, in their terms."""
+    known = [_SWITCHES[name] for name in libraries if name in _SWITCHES]
+    return "; ".join(known) if known else "switch the library's own gradient checkpointing off"
 
 
 def fresh_caches(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:

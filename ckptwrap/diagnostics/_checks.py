@@ -9,7 +9,7 @@ from typing import Dict, List, Optional, Set
 from torch import nn
 
 from .. import _torch_private
-from .._hf import checkpointing_flagged, checkpointing_on
+from .._hf import checkpointing_flagged, checkpointing_on, flags_on, how_to_keep_off, library_of, owners
 from ..planner import ModelProfile
 from ._regions import Region
 from ._report import Finding
@@ -89,7 +89,8 @@ def check_transformers_checkpointing(
 ) -> List[Finding]:
     """Regions that transformers' own gradient checkpointing also checkpoints: layers whose
     ``gradient_checkpointing`` flag is on, inside a region or around one."""
-    flagged = [name for name, module in checkpointing_flagged(model) if checkpointing_on(module)]
+    modules = dict(checkpointing_flagged(model))
+    flagged = [name for name, module in modules.items() if checkpointing_on(module)]
     findings = []
     for region in regions:
         overlaps = [
@@ -105,14 +106,16 @@ def check_transformers_checkpointing(
             if "wrap_model" in ways else
             f"{ways[0]} does not switch it off; "
         )
+        libraries = sorted({library_of(modules[n]) for n in overlaps})
+        flags = sorted({flag for n in overlaps for flag in flags_on(modules[n])})
+        owner = owners(libraries)
         findings.append(Finding(
             "warning", "selected-twice", name,
-            f"{name} is checkpointed by ckptwrap and by transformers' own gradient "
-            f"checkpointing (its gradient_checkpointing flag is on): the layer's forward runs "
-            f"three times per step instead of two and no more memory is saved.",
-            f"{later}switch transformers' off: model.gradient_checkpointing_disable(), and "
-            f"TrainingArguments(gradient_checkpointing=False) under the Trainer.",
-            details=(f"{name} ({region.kind}) with transformers' flag on {_few([display(prefix, n) for n in overlaps])}",),
+            f"{name} is checkpointed by ckptwrap and by {owner} own gradient checkpointing "
+            f"(its {' / '.join(flags)} flag is on): the module's forward runs three times per "
+            f"step instead of two and no more memory is saved.",
+            f"{later}switch {owner} checkpointing off: {how_to_keep_off(libraries)}.",
+            details=(f"{name} ({region.kind}) with {owner} flag on {_few([display(prefix, n) for n in overlaps])}",),
         ))
     return findings
 

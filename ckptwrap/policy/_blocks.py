@@ -14,6 +14,7 @@ from torch.nn.parameter import is_lazy
 
 from .._errors import CheckpointConfigError
 from .._hf import hf_layer_class
+from ._library_units import library_units
 
 __all__ = ["find_blocks"]
 
@@ -51,7 +52,11 @@ def find_blocks(model: nn.Module) -> List[str]:
     are kept, since checkpointing only the outer ones would hold a whole stage's
     activations at once during its recomputation. A repeated block that holds declared
     layers gives way to them, and one inside a kept declared layer is part of it. transformers is never imported here:
-    the class is looked up only if the model's library has loaded it.
+    the class is looked up only if the model's library has loaded it. Modules of other
+    libraries that checkpoint parts of themselves (diffusers, timm: a
+    ``gradient_checkpointing`` or ``grad_checkpointing`` flag) declare the units their
+    forwards hand to a checkpoint function, read from their source (``_library_units``);
+    a repeated group of which the library checkpoints only some members gives only those.
 
     A model whose only repetition is of modules without submodules (a plain
     ``nn.Sequential`` MLP) has no blocks in that sense; there the members of the class
@@ -99,6 +104,9 @@ def _detect_blocks(named: NamedModules) -> Tuple[str, ...]:
     repeated = {
         member
         for group in groups
+        # A library that checkpoints some members of a group (diffusers' mid blocks, all
+        # resnets but the first) chose which: the rest are not blocks.
+        if not declared.intersection(group.members)
         for member in group.members
         if _has_submodules(modules[member])
         # The declared layers decide inside and around themselves.
@@ -129,11 +137,14 @@ def _groups_in(name: str, container: nn.Module, position: Dict[str, int]) -> Lis
 
 
 def _declared_layers(named: NamedModules) -> Set[str]:
-    """Non-root modules that transformers' own gradient checkpointing would checkpoint."""
+    """Non-root modules that a library's own gradient checkpointing would checkpoint:
+    transformers' layers, and the units the forwards of diffusers', timm's and other
+    flagged modules hand to a checkpoint function (``_library_units``)."""
     layer_class = hf_layer_class()
-    if layer_class is None:
-        return set()
-    return {name for name, module in named if name and isinstance(module, layer_class)}
+    declared = library_units(named)
+    if layer_class is not None:
+        declared.update(name for name, module in named if name and isinstance(module, layer_class))
+    return declared
 
 
 def _outermost(names: Set[str]) -> FrozenSet[str]:

@@ -173,9 +173,7 @@ def _transformers_off(model: nn.Module, marks: bool) -> Iterator[None]:
     try:
         yield
     except BaseException:
-        for module in switch.turned_off[before:]:
-            module.gradient_checkpointing = True
-        del switch.turned_off[before:]
+        switch.turn_back_on(since=before)
         raise
     if registered:
         # Before the planning hook, which must measure the model as ckptwrap will run it.

@@ -1,14 +1,16 @@
-"""transformers' own gradient checkpointing beside ckptwrap's: never both on one model.
+"""A library's own gradient checkpointing beside ckptwrap's: never both on one model.
 
 transformers checkpoints its layers itself while their ``gradient_checkpointing`` flag is
 on: ``model.gradient_checkpointing_enable()`` sets it, and so does the Trainer with
-``TrainingArguments(gradient_checkpointing=True)``, inside ``train()``, after the training
-script has wrapped the model. A layer checkpointed by both runs three times per step for
-no memory saved, and a re-entrant checkpoint of transformers' cannot serve the planner's
-measurement. So while ckptwrap checkpoints anything in a model, transformers' flags stay
-off: switched off by ``wrap_model`` and, when something turns them on later, before the
-next training forward, with one warning per model. ``unwrap_model`` turns back on the
-flags it turned off.
+``TrainingArguments(gradient_checkpointing=True)`` (TRL's ``SFTConfig`` by default),
+inside ``train()``, after the training script has wrapped the model. diffusers' blocks
+carry the same flag (``enable_gradient_checkpointing()``), timm's models and stages a
+``grad_checkpointing`` one (``set_grad_checkpointing()``). A module checkpointed by both
+runs three times per step for no memory saved, and a re-entrant checkpoint of the
+library's cannot serve the planner's measurement. So while ckptwrap checkpoints anything
+in a model, those flags stay off: switched off by ``wrap_model`` and, when something turns
+them on later, before the next training forward, with one warning per model naming the
+library and how to keep it off. ``unwrap_model`` turns back on the flags it turned off.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any, Callable, Dict, List, Tuple
 from torch import nn
 
 from .._compiling import outside_graph
-from .._hf import checkpointing_flagged, checkpointing_on
+from .._hf import checkpointing_flagged, checkpointing_on, flags_on, how_to_keep_off, library_of, owners
 from .._warn import warn
 
 __all__ = ["TransformersSwitch", "switch_of"]
@@ -30,7 +32,7 @@ class TransformersSwitch:
     def __init__(self, model: nn.Module, marks_anything: Callable[[nn.Module], bool]) -> None:
         self.flagged = [module for _, module in checkpointing_flagged(model)]
         self.marks_anything = marks_anything
-        self.turned_off: List[nn.Module] = []
+        self.turned_off: List[Tuple[nn.Module, str]] = []  # (module, flag)
         self.said = False
 
     def __call__(self, model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
@@ -39,31 +41,33 @@ class TransformersSwitch:
         return None
 
     def switch_off(self, model: nn.Module, force: bool = False) -> None:
-        """Turn transformers' flags off if ckptwrap checkpoints anything in ``model`` (or
+        """Turn the libraries' flags off if ckptwrap checkpoints anything in ``model`` (or
         is about to: ``force``)."""
-        on = [m for m in self.flagged if checkpointing_on(m)]
+        on = [(m, flag) for m in self.flagged for flag in flags_on(m)]
         if not on or not (force or self.marks_anything(model)):
             return
-        for module in on:
-            module.gradient_checkpointing = False
-        self.turned_off.extend(m for m in on if all(m is not t for t in self.turned_off))
+        for module, flag in on:
+            setattr(module, flag, False)
+            if all(m is not module or f != flag for m, f in self.turned_off):
+                self.turned_off.append((module, flag))
         if self.said:
             return
         self.said = True
-        layers = sorted({type(m).__name__ for m in on})
+        libraries = sorted({library_of(m) for m, _ in on})
+        layers = sorted({type(m).__name__ for m, _ in on})
         warn(
-            f"transformers' gradient checkpointing was on in {type(model).__name__} "
-            f"({len(on)} module(s): {', '.join(layers)}); ckptwrap switched it off, so that "
-            f"no layer is checkpointed twice (ckptwrap's plan does the checkpointing). Leave "
-            f"it off where ckptwrap is used: no model.gradient_checkpointing_enable(), and "
-            f"TrainingArguments(gradient_checkpointing=False)."
+            f"{owners(libraries)} own gradient checkpointing was on in "
+            f"{type(model).__name__} ({len(on)} module(s): {', '.join(layers)}); ckptwrap "
+            f"switched it off, so that no module is checkpointed twice (ckptwrap's plan does "
+            f"the checkpointing). Leave it off where ckptwrap is used: {how_to_keep_off(libraries)}."
         )
 
-    def turn_back_on(self) -> None:
-        """Turn back on the flags this switch turned off (for ``unwrap_model``)."""
-        for module in self.turned_off:
-            module.gradient_checkpointing = True
-        self.turned_off.clear()
+    def turn_back_on(self, since: int = 0) -> None:
+        """Turn back on the flags this switch turned off (for ``unwrap_model``), or those
+        turned off after the first ``since`` (a wrapping that failed)."""
+        for module, flag in self.turned_off[since:]:
+            setattr(module, flag, True)
+        del self.turned_off[since:]
 
 
 def _switch_off(switch: TransformersSwitch, model: nn.Module) -> None:
@@ -71,9 +75,11 @@ def _switch_off(switch: TransformersSwitch, model: nn.Module) -> None:
 
 
 _COMPILED = (
-    "ckptwrap switches transformers' gradient checkpointing off eagerly, outside the "
-    "compiled graph, when it finds it on; under fullgraph=True leave it off (no "
-    "gradient_checkpointing_enable(), TrainingArguments(gradient_checkpointing=False))."
+    "ckptwrap switches a library's own gradient checkpointing (transformers, diffusers, "
+    "timm) off eagerly, outside the compiled graph, when it finds it on; under "
+    "fullgraph=True leave it off (no gradient_checkpointing_enable(), "
+    "TrainingArguments(gradient_checkpointing=False), no enable_gradient_checkpointing() "
+    "or set_grad_checkpointing())."
 )
 # Under torch.compile the hook is traced; the switch itself runs eagerly, outside the graph.
 _switch_off_outside_graph = outside_graph(_switch_off, _COMPILED)
