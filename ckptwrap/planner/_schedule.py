@@ -19,9 +19,10 @@ training time, counted as checks are.
 
 What a metered step adds grows with the step: each step comes with its *size* (the
 product of its shape variables, batch and lengths: a measure of its work known before it
-runs, whatever its costs came from), unmetered steps give the seconds per unit of size,
-and a metered one what it adds as a share of the time an unmetered step of its size
-takes (never less than the shortest step timed). A check or measurement is due where that share of
+runs, whatever its costs came from); unmetered steps give a line through the shortest
+step timed and their running means of seconds and size (a small model's steps take about
+the same at any size: the operators' launch, not their work), and a metered step what it
+adds as a share of the time an unmetered step of its size takes. A check or measurement is due where that share of
 the coming step's own time is within what the training so far allows: a check learned on
 a short batch is not taken as the price of a long one.
 """
@@ -52,9 +53,9 @@ class CheckSchedule:
         self._interval = 1
         self._urgent = True
         self._credit = 0.0  # seconds of checking the time trained so far allows
-        self._rate = 0.0  # running mean of seconds per unit of size, unmetered steps
+        self._seconds_mean = 0.0  # running mean of the unmetered steps' seconds
         self._size = 0.0  # running mean of their sizes
-        self._shortest = 0.0  # the shortest of them: what a step takes at least, however small
+        self._shortest = (0.0, 0)  # the shortest of them (seconds, size): what any step takes
         self._cost = 0.0  # running mean of what a check adds, per second of its step
         self._learn_credit = 0.0  # seconds of measuring to learn the time so far allows
         self._learn_cost = 0.0  # running mean of what a measured step adds, per second of its step
@@ -98,10 +99,10 @@ class CheckSchedule:
         if checked:
             self._metered(seconds, size, "check")
             return
-        rate = seconds / max(size, 1)
-        self._rate = rate if not self._rate else (1 - _WEIGHT) * self._rate + _WEIGHT * rate
+        if not self._shortest[0] or seconds < self._shortest[0]:
+            self._shortest = (seconds, size)
+        self._seconds_mean = seconds if not self._seconds_mean else (1 - _WEIGHT) * self._seconds_mean + _WEIGHT * seconds
         self._size = size if not self._size else (1 - _WEIGHT) * self._size + _WEIGHT * size
-        self._shortest = seconds if not self._shortest else min(self._shortest, seconds)
         self._credit += SHARE * seconds
         self._learn_credit += LEARN_SHARE * seconds
         unsettled, self._unsettled = self._unsettled, []
@@ -110,7 +111,7 @@ class CheckSchedule:
 
     def may_learn(self, size: int) -> bool:
         """Whether a step of ``size`` whose costs a bound gives may be measured instead."""
-        return self._rate > 0 and self._learn_credit > 0 and self._learn_credit >= self._learn_cost * self._seconds(size)
+        return self._shortest[0] > 0 and self._learn_credit > 0 and self._learn_credit >= self._learn_cost * self._seconds(size)
 
     def measured(self, seconds: float, *, size: int, learning: bool = False) -> None:
         """A measured step of ``size`` took ``seconds``: what it added beyond an unmetered
@@ -119,10 +120,12 @@ class CheckSchedule:
         self._metered(seconds, size, "learn" if learning else "measure")
 
     def _seconds(self, size: int) -> float:
-        """What an unmetered step of ``size`` is expected to take: in proportion to its
-        size, and never less than the shortest step timed (a small model's steps take
-        about the same whatever their size: the operators' launch, not their work)."""
-        return max(self._rate * max(size, 1), self._shortest)
+        """What an unmetered step of ``size`` is expected to take: the shortest step timed
+        (what any step takes: the operators' launch, most of a small model's step) and a
+        part in proportion to its size (their work)."""
+        shortest, at = self._shortest
+        rate = max(0.0, self._seconds_mean - shortest) / max(self._size - at, 1.0)
+        return shortest + rate * max(0, size - at)
 
     def _metered(self, seconds: float, size: int, kind: str) -> None:
         expected = self._seconds(size)

@@ -6,6 +6,7 @@ the check due after a measurement waits for a step no larger than the steps so f
 
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 
@@ -21,42 +22,38 @@ _SMALL = 1 << 20
 _LARGE = 10 * _SMALL
 
 
-def _trained(schedule: CheckSchedule, steps: int, *, seconds_per_small: float = 0.01) -> None:
-    """``steps`` unmetered steps, each of size ``_SMALL``, at ``seconds_per_small``."""
-    for _ in range(steps):
+def _trained(schedule: CheckSchedule, steps: int) -> None:
+    """``steps`` unmetered steps, short and ten times as long in turn, each taking 0.01 s
+    per ``_SMALL`` of size."""
+    for index in range(steps):
+        size = _LARGE if index % 2 else _SMALL
         schedule.step()
-        schedule.timed(seconds_per_small, checked=False, size=_SMALL)
+        schedule.timed(0.01 * size / _SMALL, checked=False, size=size)
 
 
-def _checked_once(schedule: CheckSchedule) -> None:
-    """The urgent check after a measurement, at size ``_SMALL``: it costs twice the step."""
-    schedule.soon()
-    schedule.step()
-    assert schedule.due(cheap=False, size=_SMALL)
-    schedule.timed(0.03, checked=True, size=_SMALL)
-    schedule.hit()
+def _until_due(schedule: CheckSchedule, size: int) -> int:
+    """Unmetered steps trained until a check at ``size`` is due."""
+    steps = 0
+    while not schedule.due(cheap=False, size=size):
+        _trained(schedule, 2)
+        steps += 2
+        assert steps < 100_000
+    return steps
 
 
 def test_a_check_learned_on_a_short_step_is_not_the_price_of_a_long_one():
     schedule = CheckSchedule()
-    _trained(schedule, 1)
-    _checked_once(schedule)
-    # The check added 0.02 s to a 0.01 s step. The credit the steps earn (SHARE of their
-    # time) repays it, then pays for another at the same size (0.02 s) or at ten times
-    # the size (0.2 s).
-    small = large = None
-    for step in range(1, 2000):
-        _trained(schedule, 1)
-        schedule.step()
-        if small is None and schedule.due(cheap=False, size=_SMALL):
-            small = step
-        if large is None and schedule.due(cheap=False, size=_LARGE):
-            large = step
-        if large is not None:
-            break
-    earned = SHARE * 0.01  # per step
-    assert small == pytest.approx((0.02 + 0.02) / earned, rel=0.05)
-    assert large == pytest.approx((0.02 + 0.2) / earned, rel=0.05)
+    _trained(schedule, 10)
+    schedule.soon()
+    schedule.step()
+    assert schedule.due(cheap=False, size=_SMALL), "the check after a measurement, on a short step"
+    schedule.timed(0.03, checked=True, size=_SMALL)  # twice what the short step takes
+    schedule.hit()
+    # A long step's check is priced at twice the long step's time: the credit the
+    # steps earn (SHARE of their time) pays for a short one's far sooner.
+    short = _until_due(copy.deepcopy(schedule), _SMALL)
+    long = _until_due(copy.deepcopy(schedule), _LARGE)
+    assert long > 3 * short, (short, long)
 
 
 def test_checks_stay_within_their_share_when_the_steps_grow():
@@ -81,20 +78,18 @@ def test_checks_stay_within_their_share_when_the_steps_grow():
 
 def test_before_any_check_a_measured_steps_share_stands_for_a_checks():
     schedule = CheckSchedule()
-    schedule.measured(0.05, size=_SMALL)  # adds 4 steps' time: settled at the first timed step
-    _trained(schedule, 1)
-    schedule.soon()
-    schedule.step()
-    assert schedule.due(cheap=False, size=_SMALL), "the check after a measurement"
-    # A step larger than those so far waits for the credit to pay for it, priced as the
-    # measured step was (4 times its step) until a check has been timed.
-    steps = 0
-    while not schedule.due(cheap=False, size=_LARGE):
-        _trained(schedule, 1)
-        schedule.step()
-        steps += 1
-        assert steps < 100_000
-    assert steps == pytest.approx(4 * 0.1 / (SHARE * 0.01), rel=0.05)
+    schedule.measured(0.05, size=_SMALL)  # five times a short step: settled once one is timed
+    _trained(schedule, 2)
+    cheap = CheckSchedule()
+    cheap.measured(0.011, size=_SMALL)  # about what a short step takes
+    _trained(cheap, 2)
+    for each in (schedule, cheap):
+        each.soon()
+        each.step()
+        assert each.due(cheap=False, size=_SMALL), "the check after a measurement"
+    # Not the first check: a long step waits for the credit, priced as the measured step
+    # was; the dearer the measurement, the longer.
+    assert _until_due(copy.deepcopy(schedule), _LARGE) > 3 * max(1, _until_due(copy.deepcopy(cheap), _LARGE))
 
 
 def test_an_accelerator_checks_every_step():
