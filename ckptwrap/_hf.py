@@ -8,6 +8,9 @@ transformers on our account would cost seconds. Such layers write new keys and v
 into a KV cache passed to them, so a second run of one (a recomputation, a measurement)
 runs without the cache writes, as transformers' own gradient checkpointing does
 (:func:`cache_free_arguments`).
+
+Also here: the flags by which transformers, diffusers and timm modules switch their own
+gradient checkpointing on (:data:`FLAGS`), and how to keep each library's off.
 """
 
 from __future__ import annotations

@@ -310,7 +310,10 @@ class ShapePlanner:
         costs are a bound (their plain peak is no reference for a share), and a budget out
         of reach under them gives None."""
         settings = self.settings
-        plain = self._plain_at(costs, sizes, region)
+        plain = self._plain.get((id(costs), sizes, region))
+        if plain is None:
+            plain = plain_peak(costs.profile_at(sizes), settings.names, region_bytes=region)
+            self._plain[(id(costs), sizes, region)] = plain
         budget = self._budget(plain, costs, reference=not bounded)
         kept_free = int(costs.margin * plain)
         key = (id(costs), sizes, None if budget is None else int(budget), kept_free)
@@ -351,14 +354,6 @@ class ShapePlanner:
         while len(self._plain) > _CACHED:
             del self._plain[next(iter(self._plain))]
         return choice
-
-    def _plain_at(self, costs: LayoutCosts, sizes: Sizes, region: int) -> int:
-        """The un-checkpointed peak at ``sizes`` under ``costs``."""
-        plain = self._plain.get((id(costs), sizes, region))
-        if plain is None:
-            plain = plain_peak(costs.profile_at(sizes), self.settings.names, region_bytes=region)
-            self._plain[(id(costs), sizes, region)] = plain
-        return plain
 
     def _budget(self, plain: int, costs: LayoutCosts, *, reference: bool = True) -> Optional[int]:
         """The budget in bytes at a shape whose plain peak is ``plain`` (which counts for

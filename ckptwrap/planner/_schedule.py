@@ -4,11 +4,11 @@ counting dispatch mode; on an accelerator, reading the allocator's statistics is
 
 A check is due after a step is measured (one the planner could not do without: a step
 measured to learn was a test of the costs already) and after a check that missed, then
-after 1, 2, 4, then every 8 solved steps while they hit. On the CPU checks are spaced further, so
-that the time they add beyond unmetered steps stays within ``SHARE`` of the training
-time of the steps between them; there the check due after a measurement or a miss waits
-for a step no larger than the steps so far on average (or for the credit to pay for a
-larger one), rather than metering whichever comes next.
+after 1, 2, 4, then every 8 solved steps while they hit. On the CPU checks are spaced
+further, so that the time they add beyond unmetered steps stays within ``SHARE`` of the
+training time of the steps between them; there the check due after a measurement or a
+miss waits for a step no larger than the steps so far on average (or for the credit to
+pay for a larger one), rather than metering whichever comes next.
 
 Also here: when a step may be measured to learn, where a bound from the shapes measured
 already would do (``may_learn``). Measured steps cost several unmetered ones; those the
@@ -19,12 +19,12 @@ training time, counted as checks are.
 
 What a metered step adds grows with the step: each step comes with its *size* (the
 product of its shape variables, batch and lengths: a measure of its work known before it
-runs, whatever its costs came from); unmetered steps give a line through the shortest
+runs, whatever its costs came from). Unmetered steps give a line through the shortest
 step timed and their running means of seconds and size (a small model's steps take about
 the same at any size: the operators' launch, not their work), and a metered step what it
-adds as a share of the time an unmetered step of its size takes. A check or measurement is due where that share of
-the coming step's own time is within what the training so far allows: a check learned on
-a short batch is not taken as the price of a long one.
+adds as a share of the time an unmetered step of its size takes. A check or measurement
+is due where that share of the coming step's own time is within what the training so
+far allows: a check learned on a short batch is not taken as the price of a long one.
 """
 
 from __future__ import annotations
