@@ -10,7 +10,6 @@ import copy
 import sys
 from pathlib import Path
 
-
 import ckptwrap
 from ckptwrap.planner._schedule import SHARE, CheckSchedule
 
