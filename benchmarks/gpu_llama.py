@@ -49,6 +49,7 @@ import copy  # noqa: E402
 import dataclasses  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
+import re  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -70,8 +71,10 @@ _GB = 1e9
 OFFLOAD_TIME_TARGET = 1.05
 """Offload step time / ``none`` step time, checked at OFFLOAD_TARGET_TOKENS or more."""
 OFFLOAD_TARGET_TOKENS = 8192
-CONFIGURATIONS = ("none", "blocks", "blocks;selective", "budget:50%", "offload", "save_on_cpu")
-"""The rows asked for by name; with ``offload`` comes ``first:K;offload``, K from the link."""
+CONFIGURATIONS = ("none", "blocks", "hf", "blocks;selective", "budget:50%", "offload", "save_on_cpu")
+"""The rows asked for by name; with ``offload`` comes ``first:K;offload``, K from the link.
+``hf`` is the baseline for ``blocks``: transformers' own gradient checkpointing of the same
+decoder layers (``gradient_checkpointing_enable``, torch's non-re-entrant checkpoint)."""
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _TINY = dict(hidden=32, layers=4, heads=2, intermediate=64, vocab=128, seq=512)
 """Sizes of ``--tiny``; the sequence is long enough for activations to outweigh the
@@ -130,6 +133,10 @@ class Workload:
         if name.startswith("budget:"):
             inputs = {"example_kwargs": {"input_ids": self.inputs}} if self.kind == "llama" else {"example_inputs": (self.inputs,)}
             ckptwrap.wrap_model(model, name, loss_fn=self.loss_fn, **inputs)
+        elif name == "hf":
+            if self.kind != "llama":
+                raise RuntimeError("the hf row needs transformers' Llama")
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         elif name not in ("none", "save_on_cpu"):
             ckptwrap.wrap_model(model, "blocks;offload" if name == "offload" else name)
         return Step(self, model, save_on_cpu=name == "save_on_cpu")
@@ -286,7 +293,31 @@ def run(args: argparse.Namespace) -> Tuple[List[Result], Arithmetic, List[str]]:
                     results[name].step_ms.append(elapsed)
                     results[name].peak_bytes = max(results[name].peak_bytes, peak)
                 steps[name].model.zero_grad(set_to_none=True)
+    if args.profile:
+        _profile(work.device, {name: steps[name] for name in live if name in steps}, Path(args.profile))
     return [results[name] for name in names], arithmetic, sorted(set(nondeterministic))
+
+
+def _profile(device: torch.device, steps: Dict[str, "Step"], directory: Path) -> None:
+    """One more step of each row under torch.profiler: its operators by device time, to
+    ``DIRECTORY/profile-ROW.txt`` (after the timed steps, so it changes none of them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    directory.mkdir(parents=True, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    for name, step in steps.items():
+        with profile(activities=activities) as prof:
+            step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        step.model.zero_grad(set_to_none=True)
+        events = prof.key_averages()
+        kernels = sum(e.count for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
+        text = events.table(sort_by=sort, row_limit=40)
+        label = re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+        (directory / f"profile-{label}.txt").write_text(f"row {name}: {kernels} device events\n{text}\n")
+        print(f"  profiled {name}: {kernels} device events", flush=True)
 
 
 def _phase_times(device: torch.device, step: Step, arithmetic: Arithmetic) -> None:
@@ -409,6 +440,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="comma-separated, 'none' first (default: " + ",".join(CONFIGURATIONS).replace("%", "%%") + ")")
     parser.add_argument("--strict", action="store_true", help="exit 1 if any target is missed")
     parser.add_argument("--json", default=None, help="also write the results to this file, as JSON")
+    parser.add_argument("--profile", default=None, metavar="DIR",
+                        help="after timing, profile one step of each row into DIR/profile-ROW.txt")
     args = parser.parse_args(argv)
     if args.tiny:
         for key, value in _TINY.items():

@@ -14,7 +14,7 @@ from torch.nn.parameter import is_lazy
 
 from .._errors import CheckpointConfigError
 from .._hf import hf_layer_class
-from ._library_units import library_units
+from ._library_units import library_units, switchable
 
 __all__ = ["find_blocks"]
 
@@ -101,6 +101,13 @@ def _detect_blocks(named: NamedModules) -> Tuple[str, ...]:
     # outer layers alone would keep a whole stage's; the inner ones bound the peak as the
     # nested checkpoints do, with one recomputation instead of two.
     innermost = declared - holding_declared
+    # A module whose library switches its checkpointing (a flag, timm's
+    # set_grad_checkpointing) and that holds declared units decides for all it holds: what else repeats in it (timm's stems, CaiT's class-attention blocks) its
+    # library leaves unchecked, and so does blocks.
+    deciding = {
+        name for name, module in named
+        if switchable(module) and any(_inside(unit, name) for unit in declared)
+    }
     repeated = {
         member
         for group in groups
@@ -112,6 +119,7 @@ def _detect_blocks(named: NamedModules) -> Tuple[str, ...]:
         # The declared layers decide inside and around themselves.
         and member not in holding_declared
         and not any(ancestor in innermost for ancestor in _ancestors(member))
+        and not any(_inside(member, name) for name in deciding)
     }
     blocks = innermost | _outermost(repeated)
     if blocks:
@@ -175,6 +183,11 @@ def _most_frequent_class(
 
     winner = min(by_class, key=rank)
     return tuple(sorted(by_class[winner], key=position.__getitem__))
+
+
+def _inside(name: str, holder: str) -> bool:
+    """Whether module ``name`` lies inside module ``holder`` (``""``, the root, holds all)."""
+    return name != holder and (not holder or name.startswith(holder + "."))
 
 
 def _ancestors(name: str) -> List[str]:

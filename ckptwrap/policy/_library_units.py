@@ -6,10 +6,13 @@ and those modules' forwards hand the units to a checkpoint function: diffusers'
 ``self._gradient_checkpointing_func(resnet, hidden_states, temb)``, timm's
 ``checkpoint_seq(self.blocks, x)`` or ``checkpoint(blk, x)``, torch's
 ``checkpoint(create_custom_forward(layer), ...)``. No list of class names says which
-modules those are, and the model is never run to find out: the forward's source is
-parsed once per class, and the first argument of each checkpoint call is followed back
+modules those are, and the model is never run to find out: the forward's source, and
+that of the methods it calls on itself (timm's ``forward_features``), is parsed once per
+class, and the first argument of each checkpoint call is followed back
 to the module's own children (``self.mid_block``), or to the members of a container the
-forward loops over (``for resnet, attn in zip(self.resnets, self.attentions)``).
+forward loops over (``for resnet, attn in zip(self.resnets, self.attentions)``), or to
+the members ``checkpoint_seq`` runs (``self.children()``, ``flatten=True``: the members'
+members, ``skip_last=True``: all but the last).
 
 A call whose unit cannot be followed back (built elsewhere, passed in) is left out, and
 so is a class whose source cannot be read: the ``blocks`` term then falls back on what
@@ -22,7 +25,7 @@ import ast
 import functools
 import inspect
 import textwrap
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 from torch import nn
 
@@ -37,12 +40,23 @@ _SEQUENCE_CALLS = frozenset({"checkpoint_seq", "checkpoint_sequential"})
 ``checkpoint_seq`` one by one by default; torch's ``checkpoint_sequential`` in segments,
 taken here member by member)."""
 
-Unit = Tuple[str, Optional[Tuple[Optional[int], Optional[int]]]]
-"""``(attr, None)``: the child module ``attr`` is a unit; ``(attr, (start, stop))``: each
-member of the container child ``attr`` in that slice is one (``self.resnets[1:]``;
-``(None, None)`` for all of them)."""
+class Unit(NamedTuple):
+    """What one checkpoint call hands over, relative to the module whose forward makes it."""
+
+    attr: str
+    """The child named so; ``""`` for the module itself (``checkpoint_seq(self.children(), x)``)."""
+    members: Optional[Tuple[Optional[int], Optional[int]]] = None
+    """None: the child is the unit; ``(start, stop)``: each of its members in that slice
+    is one (``self.resnets[1:]``; ``(None, None)`` for all of them)."""
+    flatten: bool = False
+    """Each member's own members are the units (timm's ``checkpoint_seq(..., flatten=True)``)."""
+    but_last: bool = False
+    """The last of those units is run unchecked (``skip_last=True``)."""
+
 
 _ALL = (None, None)
+_MAX_METHODS = 16
+"""Methods read per class: the forward and those it calls on ``self``, transitively."""
 
 
 def library_units(named: Sequence[Tuple[str, nn.Module]]) -> Set[str]:
@@ -51,35 +65,81 @@ def library_units(named: Sequence[Tuple[str, nn.Module]]) -> Set[str]:
     known = {name for name, _ in named}
     found: Set[str] = set()
     for name, module in named:
-        if not any(isinstance(getattr(module, flag, None), bool) for flag in FLAGS):
+        if not flagged(module):
             continue
         prefix = f"{name}." if name else ""
-        for attr, members in _units_of(type(module)):
-            child = getattr(module, attr, None)
+        for unit in _units_of(type(module)):
+            child = getattr(module, unit.attr, None) if unit.attr else module
             if not isinstance(child, nn.Module):
                 continue
-            if members is None:
-                names = [prefix + attr]
-            else:
-                keys = [key for key, _ in child.named_children()][slice(*members)]
-                names = [f"{prefix}{attr}.{key}" for key in keys]
+            base = prefix + unit.attr if unit.attr else name
+            names = [base] if unit.members is None else _member_names(base, child, unit)
             found.update(each for each in names if each in known and each)
     return found
 
 
+_SWITCHES = ("set_grad_checkpointing", "gradient_checkpointing_enable", "enable_gradient_checkpointing")
+"""Methods by which timm, transformers and diffusers models switch their checkpointing on."""
+
+
+def flagged(module: nn.Module) -> bool:
+    """Whether ``module`` carries a library's gradient checkpointing flag."""
+    return any(isinstance(getattr(module, flag, None), bool) for flag in FLAGS)
+
+
+def switchable(module: nn.Module) -> bool:
+    """Whether a library switches checkpointing on for ``module``: a flag on it, or a
+    method that sets its parts' flags (timm's ``set_grad_checkpointing``)."""
+    return flagged(module) or any(callable(getattr(type(module), name, None)) for name in _SWITCHES)
+
+
+def _member_names(base: str, container: nn.Module, unit: Unit) -> List[str]:
+    prefix = f"{base}." if base else ""
+    members = list(container.named_children())[slice(*unit.members)]  # type: ignore[misc]
+    if unit.flatten:
+        names = [f"{prefix}{key}.{inner}" for key, member in members for inner, _ in member.named_children()]
+    else:
+        names = [prefix + key for key, _ in members]
+    return names[:-1] if unit.but_last else names
+
+
 @functools.lru_cache(maxsize=None)
 def _units_of(cls: type) -> Tuple[Unit, ...]:
-    """What the forward of ``cls`` hands to a checkpoint function (see the module)."""
-    forward = getattr(cls, "forward", None)
+    """What the forward of ``cls``, and the methods it calls on itself (timm's
+    ``forward_features``), hand to a checkpoint function (see the module)."""
+    units: List[Unit] = []
+    queue, read = ["forward"], set()
+    while queue and len(read) < _MAX_METHODS:
+        method = queue.pop(0)
+        if method in read:
+            continue
+        read.add(method)
+        function = _parsed(getattr(cls, method, None))
+        if function is None or not function.args.args:
+            continue
+        own = function.args.args[0].arg  # ``self``
+        units.extend(_units_in(function, own))
+        queue.extend(_own_calls(function, own))
+    return tuple(dict.fromkeys(units))
+
+
+def _parsed(method: object) -> Optional[ast.FunctionDef]:
     try:
-        source = textwrap.dedent(inspect.getsource(forward))
-        tree = ast.parse(source)
+        tree = ast.parse(textwrap.dedent(inspect.getsource(method)))  # type: ignore[arg-type]
     except (OSError, TypeError, SyntaxError, IndentationError):
-        return ()
-    function = next((node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))), None)
-    if function is None or not function.args.args:
-        return ()
-    own = function.args.args[0].arg  # ``self``
+        return None
+    return next((node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)), None)
+
+
+def _own_calls(function: ast.FunctionDef, own: str) -> List[str]:
+    """Methods ``function`` calls on ``self`` (``self.forward_features(x)``)."""
+    return [
+        node.func.attr for node in ast.walk(function)
+        if isinstance(node, ast.Call) and _own_attribute(node.func, own) is not None
+    ]
+
+
+def _units_in(function: ast.FunctionDef, own: str) -> List[Unit]:
     loops = _loop_sources(function, own)
     units: List[Unit] = []
     for node in ast.walk(function):
@@ -87,12 +147,49 @@ def _units_of(cls: type) -> Tuple[Unit, ...]:
             continue
         called = _called_name(node.func)
         if called in _SEQUENCE_CALLS:
-            found = _own_members(node.args[0], own)
-            if found is not None:
-                units.append(found)
+            units.extend(_sequence_units(node, own))
         elif called in _UNIT_CALLS:
             units.extend(_resolve(_unwrapped(node.args[0]), own, loops))
-    return tuple(dict.fromkeys(units))
+    return units
+
+
+def _sequence_units(call: ast.Call, own: str) -> List[Unit]:
+    """The units of ``checkpoint_seq(first, x, flatten=..., skip_last=...)``: the members
+    of ``self.blocks`` or of ``self.children()``, each of ``[self.s1, self.s2]``; with
+    ``flatten=True`` their members; with ``skip_last=True`` all but the last."""
+    keywords = {kw.arg: kw.value for kw in call.keywords if kw.arg}
+    flatten = _true(keywords.get("flatten"))
+    skip_last = _true(keywords.get("skip_last"))
+    first = call.args[0]
+    if isinstance(first, (ast.List, ast.Tuple)):
+        attrs = [_own_attribute(each, own) for each in first.elts]
+        if None in attrs:
+            return []
+        # flatten runs the listed containers' members one by one
+        units = [Unit(attr, _ALL) if flatten else Unit(attr) for attr in attrs]  # type: ignore[arg-type]
+        if skip_last and units:
+            if flatten:  # the last container's last member runs unchecked
+                units[-1] = units[-1]._replace(but_last=True)
+            else:
+                units.pop()
+        return units
+    if isinstance(first, ast.Call) and isinstance(first.func, ast.Attribute) and first.func.attr == "children":
+        holder = first.func.value
+        attr = "" if _own_name(holder, own) else _own_attribute(holder, own)
+        found = None if attr is None else Unit(attr, _ALL)
+    else:
+        found = _own_members(first, own)
+    if found is None:
+        return []
+    return [found._replace(flatten=flatten, but_last=skip_last and found.members is not None)]
+
+
+def _true(node: Optional[ast.expr]) -> bool:
+    return isinstance(node, ast.Constant) and node.value is True
+
+
+def _own_name(value: ast.expr, own: str) -> bool:
+    return isinstance(value, ast.Name) and value.id == own
 
 
 def _called_name(func: ast.expr) -> Optional[str]:
@@ -138,7 +235,7 @@ def _own_members(value: ast.expr, own: str) -> Optional[Unit]:
             bounds = (first, None if first == -1 else first + 1)  # type: ignore[operator]
         value = value.value
     attr = _own_attribute(value, own)
-    return None if attr is None else (attr, bounds)
+    return None if attr is None else Unit(attr, bounds)
 
 
 def _constant(node: Optional[ast.expr]) -> Optional[int]:
@@ -154,7 +251,7 @@ def _constant(node: Optional[ast.expr]) -> Optional[int]:
 def _resolve(value: ast.expr, own: str, loops: Dict[str, Unit]) -> List[Unit]:
     if isinstance(value, ast.Attribute):
         attr = _own_attribute(value, own)
-        return [] if attr is None else [(attr, None)]
+        return [] if attr is None else [Unit(attr)]
     if isinstance(value, ast.Subscript):
         found = _own_members(value, own)
         return [] if found is None else [found]
@@ -163,7 +260,7 @@ def _resolve(value: ast.expr, own: str, loops: Dict[str, Unit]) -> List[Unit]:
     return []
 
 
-def _loop_sources(function: ast.AST, own: str) -> Dict[str, Unit]:
+def _loop_sources(function: ast.FunctionDef, own: str) -> Dict[str, Unit]:
     """Per loop variable of ``function``, the container child it runs over: ``for b in
     self.blocks``, ``for i, b in enumerate(self.blocks)``, ``for r, a in
     zip(self.resnets, self.attentions)``, also through a name assigned such an iterable

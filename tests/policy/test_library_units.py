@@ -10,6 +10,7 @@ the test, as its user), and the modules recorded are the ones ``blocks`` must na
 
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 from typing import Any, Callable, List, Set
@@ -87,10 +88,13 @@ def test_the_unet_checkpoints_its_down_path_and_reaches_a_lower_peak():
 # ----------------------------------------------------------------------------- timm style
 
 
-def checkpoint_seq(functions: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
-    """timm's helper, as its models call it: each member checkpointed in turn."""
-    for function in functions:
-        x = checkpoint(function, x, use_reentrant=False)
+def checkpoint_seq(functions: Any, x: torch.Tensor, flatten: bool = False, skip_last: bool = False) -> torch.Tensor:
+    """timm's helper, as its models call it: each member checkpointed in turn (with
+    ``flatten``, each member of each member), the last one not with ``skip_last``."""
+    functions = list(itertools.chain.from_iterable(functions) if flatten else functions)
+    for index, function in enumerate(functions):
+        last = skip_last and index == len(functions) - 1
+        x = function(x) if last else checkpoint(function, x, use_reentrant=False)
     return x
 
 
@@ -181,6 +185,109 @@ def test_the_selection_matches_what_the_flag_checkpoints_when_run():
         finally:
             globals()["checkpoint"] = original
         assert set(find_blocks(model)) == seen
+
+
+class _Layered(nn.Module):
+    """A ResNet/EfficientNet-style model: stem, stages of blocks run by ``checkpoint_seq``
+    from ``forward_features`` (flattened), a stage that runs its own children; and a
+    repeated stem timm leaves unchecked."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.grad_checkpointing = False
+        self.stem = nn.Sequential(_Block(8), _Block(8))
+        self.layer1 = nn.Sequential(_Block(8), _Block(8))
+        self.layer2 = nn.Sequential(_Block(8), _Block(8), _Block(8))
+        self.blocks = nn.Sequential(nn.Sequential(_Block(8)), nn.Sequential(_Block(8), _Block(8)))
+        self.tail = _Children()
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.grad_checkpointing = self.tail.grad_checkpointing = enable
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        if self.grad_checkpointing:
+            x = checkpoint_seq([self.layer1, self.layer2], x, flatten=True)
+            x = checkpoint_seq(self.blocks, x, flatten=True, skip_last=True)
+        else:
+            x = self.blocks(self.layer2(self.layer1(x)))
+        return self.tail(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_features(x).sum()
+
+
+class _Children(nn.Module):
+    """A RegNet-style stage: blocks as its own children, run by ``checkpoint_seq``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.grad_checkpointing = False
+        self.b1, self.b2 = _Block(8), _Block(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.grad_checkpointing:
+            return checkpoint_seq(self.children(), x)
+        return self.b2(self.b1(x))
+
+
+def _watched_units(model: nn.Module, x: torch.Tensor) -> Set[str]:
+    """The modules each checkpoint call runs first, with the model's flags on."""
+    names = {id(module): name for name, module in model.named_modules()}
+    running: List[nn.Module] = []
+    depths: List[int] = []
+    units: Set[str] = set()
+
+    def enter(module: nn.Module, args: Any) -> None:
+        if depths and len(running) == depths[-1]:
+            units.add(names[id(module)])
+        running.append(module)
+
+    def leave(module: nn.Module, args: Any, output: Any) -> None:
+        running.pop()
+
+    handles = [m.register_forward_pre_hook(enter) for m in model.modules()]
+    handles += [m.register_forward_hook(leave) for m in model.modules()]
+
+    def watched(function: Any, *args: Any, **kwargs: Any) -> Any:
+        depths.append(len(running))
+        try:
+            return torch.utils.checkpoint.checkpoint(function, *args, **kwargs)
+        finally:
+            depths.pop()
+
+    globals()["checkpoint"] = watched
+    model.set_grad_checkpointing(True)
+    try:
+        model(x).backward()
+    finally:
+        globals()["checkpoint"] = torch.utils.checkpoint.checkpoint
+        model.set_grad_checkpointing(False)
+        for handle in handles:
+            handle.remove()
+    return units
+
+
+def test_units_from_methods_forward_calls_flattened_children_and_all_but_the_last():
+    model = _Layered()
+    truth = _watched_units(model, torch.randn(2, 8))
+    assert truth == {"layer1.0", "layer1.1", "layer2.0", "layer2.1", "layer2.2", "blocks.0.0", "blocks.1.0",
+                     "tail.b1", "tail.b2"}
+    assert library_units(list(model.named_modules())) == truth
+    # The stem repeats, but the model's own checkpointing leaves it: so does blocks.
+    assert set(find_blocks(model)) == truth
+
+
+def test_repetition_still_counts_outside_what_a_library_decides():
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.timm_part = _Layered()
+            self.mine = nn.ModuleList([_Block(8), _Block(8)])
+
+    model = Outer()
+    assert {"mine.0", "mine.1"} <= set(find_blocks(model))
+    assert not any(name.startswith("timm_part.stem") for name in find_blocks(model))
 
 
 class _Unresolved(nn.Module):
