@@ -50,7 +50,9 @@ def _decision(hook: Any) -> str:
     if step is None:
         return "-"
     decision = step.decision
-    chosen = "" if decision.choice is None else " " + ",".join(e.name for e in decision.choice.entries)
+    chosen = "" if decision.choice is None else " " + ", ".join(
+        e.name + (f" ({e.option})" if e.option else "") + (f" joins {e.joins}" if e.joins else "")
+        for e in decision.choice.entries)
     return f"measure={decision.measure} check={decision.check} source={decision.source or '-'}{chosen}"
 
 
