@@ -10,7 +10,8 @@ runs without the cache writes, as transformers' own gradient checkpointing does
 (:func:`cache_free_arguments`).
 
 Also here: the flags by which transformers, diffusers and timm modules switch their own
-gradient checkpointing on (:data:`FLAGS`), and how to keep each library's off.
+gradient checkpointing on (:data:`FLAGS`), torch's ``CheckpointWrapper`` switched the same
+way (:data:`WRAPPER_SWITCH`), and how to keep each library's off.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ __all__ = [
     "FLAGS",
     "cache_free_arguments",
     "checkpointing_flagged",
+    "call_directly",
     "checkpointing_on",
+    "describe_flags",
     "flags_on",
     "fresh_caches",
     "hf_layer_class",
@@ -36,6 +39,7 @@ __all__ = [
     "is_hf_layer_class",
     "library_of",
     "owners",
+    "switch_off",
 ]
 
 _LAYERS_MODULE = "transformers.modeling_layers"
@@ -88,7 +92,28 @@ _SWITCHES = {
     ),
     "diffusers": "no model.enable_gradient_checkpointing() (or model.disable_gradient_checkpointing())",
     "timm": "no model.set_grad_checkpointing() (or model.set_grad_checkpointing(False))",
+    "torch": (
+        "no checkpoint_wrapper() or apply_activation_checkpointing() on a model ckptwrap wraps "
+        "(ckptwrap keeps the wrappers, so no parameter is renamed, and calls their modules directly)"
+    ),
 }
+
+_TORCH_WRAPPERS = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
+WRAPPER_SWITCH = "checkpoint_fn"
+"""The attribute through which torch's ``CheckpointWrapper`` checkpoints its module: while
+ckptwrap checkpoints the model it is :func:`call_directly`, as a flag would be off."""
+
+
+def call_directly(function: Any, *args: Any, **kwargs: Any) -> Any:
+    """What a switched-off torch ``CheckpointWrapper`` runs instead of torch's checkpoint."""
+    return function(*args, **kwargs)
+
+
+def _torch_wrapper(module: nn.Module) -> bool:
+    """Whether ``module`` is torch's ``CheckpointWrapper`` (``checkpoint_wrapper``,
+    ``apply_activation_checkpointing``), looked up only where torch has loaded it."""
+    wrapper = getattr(sys.modules.get(_TORCH_WRAPPERS), "CheckpointWrapper", None)
+    return isinstance(wrapper, type) and isinstance(module, wrapper) and hasattr(module, WRAPPER_SWITCH)
 
 
 def checkpointing_flagged(model: nn.Module) -> List[Tuple[str, nn.Module]]:
@@ -96,18 +121,38 @@ def checkpointing_flagged(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     by qualified name."""
     return [
         (name, m) for name, m in model.named_modules()
-        if any(isinstance(getattr(m, flag, None), bool) for flag in FLAGS)
+        if any(isinstance(getattr(m, flag, None), bool) for flag in FLAGS) or _torch_wrapper(m)
     ]
 
 
 def checkpointing_on(module: nn.Module) -> bool:
     """Whether a library's own gradient checkpointing is on for ``module``."""
-    return any(getattr(module, flag, None) is True for flag in FLAGS)
+    return bool(flags_on(module))
 
 
 def flags_on(module: nn.Module) -> List[str]:
-    """The checkpointing flags that are on in ``module``."""
-    return [flag for flag in FLAGS if getattr(module, flag, None) is True]
+    """The checkpointing flags that are on in ``module`` (:data:`WRAPPER_SWITCH` for a
+    torch ``CheckpointWrapper`` that checkpoints)."""
+    on = [flag for flag in FLAGS if getattr(module, flag, None) is True]
+    if _torch_wrapper(module) and getattr(module, WRAPPER_SWITCH) is not call_directly:
+        on.append(WRAPPER_SWITCH)
+    return on
+
+
+def switch_off(module: nn.Module, flag: str) -> Any:
+    """Turn ``flag`` off in ``module``; returns what turns it back on."""
+    before = getattr(module, flag)
+    setattr(module, flag, call_directly if flag == WRAPPER_SWITCH else False)
+    return before
+
+
+def describe_flags(flags: List[str]) -> str:
+    """``its gradient_checkpointing flag is on``, or that a torch wrapper checkpoints."""
+    named = [flag for flag in flags if flag != WRAPPER_SWITCH]
+    parts = [f"its {' / '.join(named)} flag is on"] if named else []
+    if WRAPPER_SWITCH in flags:
+        parts.append("torch's CheckpointWrapper is on")
+    return "; ".join(parts)
 
 
 def library_of(module: nn.Module) -> str:

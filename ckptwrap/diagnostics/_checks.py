@@ -9,7 +9,8 @@ from typing import Dict, List, Optional, Set
 from torch import nn
 
 from .. import _torch_private
-from .._hf import checkpointing_flagged, checkpointing_on, flags_on, how_to_keep_off, library_of, owners
+from ..policy._library_units import code_units
+from .._hf import checkpointing_flagged, checkpointing_on, describe_flags, flags_on, how_to_keep_off, library_of, owners
 from ..planner import ModelProfile
 from ._regions import Region
 from ._report import Finding
@@ -22,6 +23,7 @@ __all__ = [
     "check_reentrant_calls",
     "check_savings",
     "check_selected_twice",
+    "check_code_checkpointing",
     "check_transformers_checkpointing",
     "display",
 ]
@@ -84,6 +86,33 @@ def check_selected_twice(regions: List[Region], prefix: str) -> List[Finding]:
     return findings
 
 
+def check_code_checkpointing(model: nn.Module, regions: List[Region], prefix: str) -> List[Finding]:
+    """Regions that the model's own code also checkpoints (a forward handing a module to
+    ``torch.utils.checkpoint``): the same module, one inside the region or around it."""
+    by_code = code_units(list(model.named_modules()))
+    findings = []
+    for region in regions:
+        overlaps = [
+            unit for unit in by_code
+            if unit == region.name or _inside_any(unit, [region.name]) or _inside_any(region.name, [unit])
+        ]
+        if not overlaps:
+            continue
+        name = display(prefix, region.name)
+        owners_of = sorted({display(prefix, by_code[unit]) or "the model" for unit in overlaps})
+        findings.append(Finding(
+            "warning", "selected-twice", name,
+            f"{name} is checkpointed by ckptwrap and by the model's own code (a checkpoint call "
+            f"in the forward of {', '.join(owners_of)} checkpoints {_few([display(prefix, u) for u in overlaps])}): "
+            f"the module's forward runs three times per step instead of two and no more memory is saved.",
+            "remove those checkpoint calls and let ckptwrap checkpoint (wrap_model leaves modules "
+            "the model's code checkpoints out of its plans), or leave these modules out of ckptwrap's marking.",
+            details=tuple(f"{display(prefix, u)} checkpointed in {display(prefix, by_code[u]) or 'the model'}.forward"
+                          for u in overlaps[:8]),
+        ))
+    return findings
+
+
 def check_transformers_checkpointing(
     model: nn.Module, regions: List[Region], prefix: str
 ) -> List[Finding]:
@@ -112,7 +141,7 @@ def check_transformers_checkpointing(
         findings.append(Finding(
             "warning", "selected-twice", name,
             f"{name} is checkpointed by ckptwrap and by {owner} own gradient checkpointing "
-            f"(its {' / '.join(flags)} flag is on): the module's forward runs three times per "
+            f"({describe_flags(flags)}): the module's forward runs three times per "
             f"step instead of two and no more memory is saved.",
             f"{later}switch {owner} checkpointing off: {how_to_keep_off(libraries)}.",
             details=(f"{name} ({region.kind}) with {owner} flag on {_few([display(prefix, n) for n in overlaps])}",),

@@ -48,8 +48,9 @@ def doctor(
     - ``no-savings`` (warning): a region whose inputs are about as big as the activations
       its checkpoint drops (it saves less than 10% of them);
     - ``selected-twice`` (warning): a module checkpointed by two markings, a region
-      nested inside another, or a region that transformers' own gradient checkpointing
-      also checkpoints (its ``gradient_checkpointing`` flag on);
+      nested inside another, or a region that a library's own gradient checkpointing
+      also checkpoints (transformers', diffusers' or timm's flag on, torch's
+      ``CheckpointWrapper``), or that the model's own code hands to a checkpoint function;
     - ``not-called`` (warning): a region the forward never calls;
     - ``reentrant-no-grad-input``, ``reentrant-keyword-tensors`` (info): calls that
       torch's re-entrant variant gets wrong (it drops parameter gradients when no input
@@ -102,6 +103,7 @@ def doctor(
         findings.append(_no_regions(local))
     findings += _checks.check_selected_twice(regions, prefix)
     findings += _checks.check_transformers_checkpointing(local, regions, prefix)
+    findings += _checks.check_code_checkpointing(local, regions, prefix)
 
     with recording_calls(plain_model) as called:
         plain = _plain_step(plain_model, args, kwargs, loss)

@@ -25,13 +25,13 @@ import ast
 import functools
 import inspect
 import textwrap
-from typing import Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
+from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 from torch import nn
 
 from .._hf import FLAGS
 
-__all__ = ["library_units"]
+__all__ = ["code_units", "library_units"]
 
 _UNIT_CALLS = frozenset({"_gradient_checkpointing_func", "checkpoint", "checkpoint_module"})
 """Functions whose first argument is one checkpointed unit."""
@@ -65,17 +65,38 @@ def library_units(named: Sequence[Tuple[str, nn.Module]]) -> Set[str]:
     known = {name for name, _ in named}
     found: Set[str] = set()
     for name, module in named:
-        if not flagged(module):
-            continue
-        prefix = f"{name}." if name else ""
-        for unit in _units_of(type(module)):
-            child = getattr(module, unit.attr, None) if unit.attr else module
-            if not isinstance(child, nn.Module):
-                continue
-            base = prefix + unit.attr if unit.attr else name
-            names = [base] if unit.members is None else _member_names(base, child, unit)
-            found.update(each for each in names if each in known and each)
+        if flagged(module):
+            for unit in _units_of(type(module)):
+                found.update(each for each in _names_of(unit, module, name) if each in known and each)
     return found
+
+
+def code_units(named: Sequence[Tuple[str, nn.Module]]) -> Dict[str, str]:
+    """Modules the model's own code checkpoints, with no library flag to switch it off: a
+    forward (or a method it calls) that hands them to ``torch.utils.checkpoint`` (or any
+    function of those names), unless it does so only under ``if self.flag:`` with the flag
+    off now. Each qualified name, with the qualified name of the module whose code does it
+    (``""``: the model itself)."""
+    known = {name for name, _ in named}
+    found: Dict[str, str] = {}
+    for name, module in named:
+        if flagged(module) or type(module).__module__.split(".")[0] == "ckptwrap":
+            continue
+        for unit, guards in _guarded_units_of(type(module)):
+            if _may_run(guards, module):
+                for each in _names_of(unit, module, name):
+                    if each in known and each:
+                        found.setdefault(each, name)
+    return found
+
+
+def _names_of(unit: Unit, module: nn.Module, name: str) -> List[str]:
+    """The qualified names ``unit`` stands for in ``module`` (named ``name``)."""
+    child = getattr(module, unit.attr, None) if unit.attr else module
+    if not isinstance(child, nn.Module):
+        return []
+    base = (f"{name}." if name else "") + unit.attr if unit.attr else name
+    return [base] if unit.members is None else _member_names(base, child, unit)
 
 
 _SWITCHES = ("set_grad_checkpointing", "gradient_checkpointing_enable", "enable_gradient_checkpointing")
@@ -103,11 +124,22 @@ def _member_names(base: str, container: nn.Module, unit: Unit) -> List[str]:
     return names[:-1] if unit.but_last else names
 
 
+Guard = Tuple[ast.expr, bool, str]
+"""An ``if`` around a checkpoint call: its test, whether the call is in its body (else in
+its ``else``), and the name ``self`` has in that method."""
+
+
 @functools.lru_cache(maxsize=None)
 def _units_of(cls: type) -> Tuple[Unit, ...]:
     """What the forward of ``cls``, and the methods it calls on itself (timm's
     ``forward_features``), hand to a checkpoint function (see the module)."""
-    units: List[Unit] = []
+    return tuple(dict.fromkeys(unit for unit, _ in _guarded_units_of(cls)))
+
+
+@functools.lru_cache(maxsize=None)
+def _guarded_units_of(cls: type) -> Tuple[Tuple[Unit, Tuple[Guard, ...]], ...]:
+    """:func:`_units_of`, each unit with the ``if`` tests around the call that hands it over."""
+    units: List[Tuple[Unit, Tuple[Guard, ...]]] = []
     queue, read = ["forward"], set()
     while queue and len(read) < _MAX_METHODS:
         method = queue.pop(0)
@@ -120,7 +152,46 @@ def _units_of(cls: type) -> Tuple[Unit, ...]:
         own = function.args.args[0].arg  # ``self``
         units.extend(_units_in(function, own))
         queue.extend(_own_calls(function, own))
-    return tuple(dict.fromkeys(units))
+    return tuple(units)
+
+
+def _guarded_calls(node: ast.AST, guards: Tuple[Guard, ...], own: str) -> Iterator[Tuple[ast.Call, Tuple[Guard, ...]]]:
+    """Every call under ``node``, with the ``if`` tests it runs under."""
+    if isinstance(node, (ast.If, ast.IfExp)):
+        yield from _guarded_calls(node.test, guards, own)
+        body = node.body if isinstance(node.body, list) else [node.body]
+        orelse = node.orelse if isinstance(node.orelse, list) else [node.orelse]
+        for child in body:
+            yield from _guarded_calls(child, guards + ((node.test, True, own),), own)
+        for child in orelse:
+            yield from _guarded_calls(child, guards + ((node.test, False, own),), own)
+        return
+    if isinstance(node, ast.Call):
+        yield node, guards
+    for child in ast.iter_child_nodes(node):
+        yield from _guarded_calls(child, guards, own)
+
+
+def _may_run(guards: Tuple[Guard, ...], module: nn.Module) -> bool:
+    """Whether no test around a call is known to send the run past it, reading the
+    module's boolean attributes (``self.use_checkpoint``) as they are now."""
+    return all(_known(test, module, own) in (None, body) for test, body, own in guards)
+
+
+def _known(test: ast.expr, module: nn.Module, own: str) -> Optional[bool]:
+    """The value of ``test`` where the module's boolean attributes decide it, else None."""
+    if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        inner = _known(test.operand, module, own)
+        return None if inner is None else not inner
+    if isinstance(test, ast.BoolOp):
+        values = [_known(value, module, own) for value in test.values]
+        decisive = isinstance(test.op, ast.Or)  # True decides an ``or``, False an ``and``
+        if decisive in values:
+            return decisive
+        return (not decisive) if all(value is not None for value in values) else None
+    attr = _own_attribute(test, own)
+    value = getattr(module, attr, None) if attr and attr != "training" else None
+    return value if isinstance(value, bool) else None
 
 
 def _parsed(method: object) -> Optional[ast.FunctionDef]:
@@ -139,17 +210,17 @@ def _own_calls(function: ast.FunctionDef, own: str) -> List[str]:
     ]
 
 
-def _units_in(function: ast.FunctionDef, own: str) -> List[Unit]:
+def _units_in(function: ast.FunctionDef, own: str) -> List[Tuple[Unit, Tuple[Guard, ...]]]:
     loops = _loop_sources(function, own)
-    units: List[Unit] = []
-    for node in ast.walk(function):
-        if not isinstance(node, ast.Call) or not node.args:
+    units: List[Tuple[Unit, Tuple[Guard, ...]]] = []
+    for node, guards in _guarded_calls(function, (), own):
+        if not node.args:
             continue
         called = _called_name(node.func)
         if called in _SEQUENCE_CALLS:
-            units.extend(_sequence_units(node, own))
+            units.extend((unit, guards) for unit in _sequence_units(node, own))
         elif called in _UNIT_CALLS:
-            units.extend(_resolve(_unwrapped(node.args[0]), own, loops))
+            units.extend((unit, guards) for unit in _resolve(_unwrapped(node.args[0]), own, loops))
     return units
 
 

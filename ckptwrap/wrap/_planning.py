@@ -24,6 +24,7 @@ from ..planner import (
     as_example,
     read_layout,
 )
+from ._code_checkpoints import checkpointed_by_code, say_left_to_code
 from ._forwards import marking
 from ..engine import CheckpointOptions, options_from
 from ._selective import SelectiveContexts
@@ -304,11 +305,17 @@ def _select(
     modules = dict(model.named_modules())
     markings = {name: marking(module) for name, module in modules.items() if name}
     existing = [name for name, how_marked in markings.items() if how_marked is not None]
+    # What the model's own code checkpoints is a checkpointed module to the plan.
+    by_code = checkpointed_by_code(modules)
+    existing += [name for name in by_code if name not in existing]
 
     selected: List[PlanEntry] = []
     dropped: List[Tuple[str, str]] = []
     for name in _callable_modules(names, modules, dropped):
         module = modules[name]
+        if name in by_code:
+            dropped.append((name, f"already checkpointed by {by_code[name]}"))
+            continue
         how_marked = markings[name]
         if how_marked is not None:
             how, their_options = how_marked
@@ -332,6 +339,7 @@ def _select(
                 )
                 continue
         selected.append(PlanEntry(name, type(module).__name__))
+    say_left_to_code(model, dropped, by_code)
     unmeasured = Plan(
         policy=str(policy_object),
         options=resolved,

@@ -5,7 +5,9 @@ on: ``model.gradient_checkpointing_enable()`` sets it, and so does the Trainer w
 ``TrainingArguments(gradient_checkpointing=True)`` (TRL's ``SFTConfig`` by default),
 inside ``train()``, after the training script has wrapped the model. diffusers' blocks
 carry the same flag (``enable_gradient_checkpointing()``), timm's models and stages a
-``grad_checkpointing`` one (``set_grad_checkpointing()``). A module checkpointed by both
+``grad_checkpointing`` one (``set_grad_checkpointing()``), and torch's ``CheckpointWrapper``
+(``checkpoint_wrapper``, ``apply_activation_checkpointing``) is switched like a flag: it
+stays, so that no parameter is renamed, and calls its module directly. A module checkpointed by both
 runs three times per step for no memory saved, and a re-entrant checkpoint of the
 library's cannot serve the planner's measurement. So while ckptwrap checkpoints anything
 in a model, those flags stay off: switched off by ``wrap_model`` and, when something turns
@@ -20,7 +22,7 @@ from typing import Any, Callable, Dict, List, Tuple
 from torch import nn
 
 from .._compiling import outside_graph
-from .._hf import checkpointing_flagged, checkpointing_on, flags_on, how_to_keep_off, library_of, owners
+from .._hf import checkpointing_flagged, checkpointing_on, flags_on, how_to_keep_off, library_of, owners, switch_off
 from .._warn import warn
 
 __all__ = ["TransformersSwitch", "switch_of"]
@@ -32,7 +34,7 @@ class TransformersSwitch:
     def __init__(self, model: nn.Module, marks_anything: Callable[[nn.Module], bool]) -> None:
         self.flagged = [module for _, module in checkpointing_flagged(model)]
         self.marks_anything = marks_anything
-        self.turned_off: List[Tuple[nn.Module, str]] = []  # (module, flag)
+        self.turned_off: List[Tuple[nn.Module, str, Any]] = []  # (module, flag, what turns it back on)
         self.said = False
 
     def __call__(self, model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
@@ -47,9 +49,9 @@ class TransformersSwitch:
         if not on or not (force or self.marks_anything(model)):
             return
         for module, flag in on:
-            setattr(module, flag, False)
-            if all(m is not module or f != flag for m, f in self.turned_off):
-                self.turned_off.append((module, flag))
+            before = switch_off(module, flag)
+            if all(m is not module or f != flag for m, f, _ in self.turned_off):
+                self.turned_off.append((module, flag, before))
         if self.said:
             return
         self.said = True
@@ -65,8 +67,8 @@ class TransformersSwitch:
     def turn_back_on(self, since: int = 0) -> None:
         """Turn back on the flags this switch turned off (for ``unwrap_model``), or those
         turned off after the first ``since`` (a wrapping that failed)."""
-        for module, flag in self.turned_off[since:]:
-            setattr(module, flag, True)
+        for module, flag, before in self.turned_off[since:]:
+            setattr(module, flag, before)
         del self.turned_off[since:]
 
 
