@@ -9,7 +9,7 @@ from typing import Dict, List, Optional, Set
 from torch import nn
 
 from .. import _torch_private
-from ..policy._library_units import code_units
+from ..policy import code_units
 from .._hf import checkpointing_flagged, checkpointing_on, describe_flags, flags_on, how_to_keep_off, library_of, owners
 from ..planner import ModelProfile
 from ._regions import Region

@@ -6,6 +6,7 @@ decides what to do with them. See :func:`parse_policy` for the string form.
 
 from ._base import Complement, Intersection, Policy, Union
 from ._blocks import find_blocks
+from ._library_units import code_units
 from ._grammar import as_policy, parse_policy
 from ._modifiers import DEFAULT_SELECTIVE_OPS, Budget, Offload, Selective, split_modifiers
 from ._ops import resolve_ops
@@ -45,6 +46,7 @@ __all__ = [
     "Type",
     "Union",
     "as_policy",
+    "code_units",
     "find_blocks",
     "parse_policy",
     "resolve_ops",

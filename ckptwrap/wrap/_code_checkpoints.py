@@ -16,7 +16,7 @@ from typing import Dict, List, Tuple
 from torch import nn
 
 from .._warn import warn
-from ..policy._library_units import code_units
+from ..policy import code_units
 
 __all__ = ["checkpointed_by_code", "say_left_to_code"]
 

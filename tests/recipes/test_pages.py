@@ -19,7 +19,7 @@ PAGE_NAMES = sorted(path.name for path in PAGES.glob("*.md") if path.name != "RE
 
 def test_the_index_links_every_page():
     index = (PAGES / "README.md").read_text()
-    assert PAGE_NAMES == ["accelerate.md", "lightning.md", "peft.md", "trainer.md"]
+    assert PAGE_NAMES == ["accelerate.md", "diffusers.md", "lightning.md", "peft.md", "timm.md", "trainer.md", "trl.md"]
     for name in PAGE_NAMES:
         assert f"]({name})" in index, name
 
