@@ -50,9 +50,12 @@ def find_blocks(model: nn.Module) -> List[str]:
     checkpoints (instances of its ``GradientCheckpointingLayer``): each of them is a block,
     repeated or not, and where they nest (Swin's stages hold its layers) the innermost
     are kept, since checkpointing only the outer ones would hold a whole stage's
-    activations at once during its recomputation. A repeated block that holds declared
-    layers gives way to them, and one inside a kept declared layer is part of it. transformers is never imported here:
-    the class is looked up only if the model's library has loaded it. Modules of other
+    activations at once during its recomputation; unless the inner ones hold less than
+    60% of the outer one's parameters (a diffusers mid block checkpoints one
+    of its resnets inside: the outer one is kept). A repeated block that holds declared
+    layers gives way to them, and one inside a kept declared layer is part of it.
+    transformers is never imported here: the class is looked up only if the model's
+    library has loaded it. Modules of other
     libraries that checkpoint parts of themselves (diffusers, timm: a
     ``gradient_checkpointing`` or ``grad_checkpointing`` flag) declare the units their
     forwards hand to a checkpoint function, read from their source (``_library_units``);
@@ -99,11 +102,13 @@ def _detect_blocks(named: NamedModules) -> Tuple[str, ...]:
     # Where transformers' layers nest (Swin's stages hold its layers), transformers nests
     # their checkpoints. A recomputed region holds all its activations at once, so the
     # outer layers alone would keep a whole stage's; the inner ones bound the peak as the
-    # nested checkpoints do, with one recomputation instead of two.
-    innermost = declared - holding_declared
+    # nested checkpoints do, with one recomputation instead of two, where they hold most
+    # of the outer one (_nesting_resolved).
+    innermost = _nesting_resolved(declared, modules)
     # A module whose library switches its checkpointing (a flag, timm's
-    # set_grad_checkpointing) and that holds declared units decides for all it holds: what else repeats in it (timm's stems, CaiT's class-attention blocks) its
-    # library leaves unchecked, and so does blocks.
+    # set_grad_checkpointing) and that holds declared units decides for all it holds:
+    # what else repeats in it (timm's stems, CaiT's class-attention blocks) its library
+    # leaves unchecked, and so does blocks.
     deciding = {
         name for name, module in named
         if switchable(module) and any(_inside(unit, name) for unit in declared)
@@ -153,6 +158,33 @@ def _declared_layers(named: NamedModules) -> Set[str]:
     if layer_class is not None:
         declared.update(name for name, module in named if name and isinstance(module, layer_class))
     return declared
+
+
+_COVERED = 0.6
+"""Share of a declared unit's parameters that the declared units inside it must hold for
+those to stand for it."""
+
+
+def _nesting_resolved(declared: Set[str], modules: Dict[str, nn.Module]) -> Set[str]:
+    """Where declared units nest, the inner ones, if they hold most of the outer one's
+    parameters (Swin's layers in its stages, 75% beside the downsampling; PoolFormer's
+    blocks, 74% to 100%); else the outer
+    one (a diffusers autoencoder's mid block, whose library checkpoints it whole and, inside,
+    only one of its resnets, 45%: alone, that would leave its attention and first resnet
+    unchecked)."""
+    chosen = set(declared)
+    for outer in sorted(declared, key=lambda name: name.count(".")):
+        if outer not in chosen:
+            continue
+        inner = _outermost({name for name in chosen if name.startswith(outer + ".")})
+        if not inner:
+            continue
+        covered = sum(_parameter_count(modules[name]) for name in inner)
+        if covered >= _COVERED * _parameter_count(modules[outer]):
+            chosen.discard(outer)
+        else:
+            chosen -= {name for name in chosen if name.startswith(outer + ".")}
+    return chosen
 
 
 def _outermost(names: Set[str]) -> FrozenSet[str]:

@@ -19,7 +19,7 @@ from .. import _torch_private
 from .._warn import note
 from ..measure import SpanPeak, tensors
 from ..planner import Decision, Plan, ShapePlanner, StepRecorder
-from ._marks import PLAN_ATTRIBUTE
+from ._marks import PLAN_ATTRIBUTE, record_plan
 
 __all__ = ["FollowedStep"]
 
@@ -69,7 +69,7 @@ class FollowedStep:
         if profile is None or not isinstance(record, Plan) or record.pending:
             return
         budget, plain = self.planner.measured_plan(self.decision, profile)
-        setattr(model, PLAN_ATTRIBUTE, dataclasses.replace(
+        record_plan(model, dataclasses.replace(
             record, budget=budget, plain_peak=plain, activation_bytes=profile.total_activation_bytes,
             predicted_peak=profile.step.total if profile.step is not None else None,
         ))

@@ -15,14 +15,54 @@ from torch import nn
 from ..planner import Plan, PlanEntry
 from ._forwards import _CheckpointedForward, _SegmentMember, entry_options
 
-__all__ = ["PLAN_ATTRIBUTE", "apply_plan", "mark", "named", "unmark"]
+__all__ = ["PLAN_ATTRIBUTE", "apply_plan", "mark", "named", "record_plan", "unmark"]
 
 PLAN_ATTRIBUTE = "ckptwrap_plan"
 
 
 def apply_plan(model: nn.Module, applied: Plan) -> None:
     modules = mark(model, applied)
-    setattr(model, PLAN_ATTRIBUTE, recorded(model, applied, modules))
+    record_plan(model, recorded(model, applied, modules))
+
+
+def record_plan(model: nn.Module, plan: Optional[Plan]) -> None:
+    """Keep ``plan`` as the model's ``ckptwrap_plan`` (None: remove it). A PEFT model's
+    base model gets it as well, its names relative to that model: ``merge_and_unload()``
+    returns the base model, still checkpointed as planned, and it keeps saying how."""
+    if plan is None:
+        model.__dict__.pop(PLAN_ATTRIBUTE, None)
+    else:
+        setattr(model, PLAN_ATTRIBUTE, plan)
+    base, prefix = _peft_base(model)
+    if base is None:
+        return
+    if plan is None:
+        base.__dict__.pop(PLAN_ATTRIBUTE, None)
+    else:
+        setattr(base, PLAN_ATTRIBUTE, _rooted(plan, prefix))
+
+
+def _peft_base(model: nn.Module) -> Tuple[Optional[nn.Module], str]:
+    """A PEFT model's base model (``get_base_model()``) and its qualified name in it."""
+    if type(model).__module__.split(".")[0] != "peft" or not callable(getattr(model, "get_base_model", None)):
+        return None, ""
+    base = model.get_base_model()
+    name = next((n for n, m in model.named_modules() if m is base and n), None)
+    return (base, name + ".") if name is not None else (None, "")
+
+
+def _rooted(plan: Plan, prefix: str) -> Plan:
+    """``plan`` for the module named ``prefix`` (ending in a dot): its entries inside it,
+    renamed relative to it."""
+    def inside(name: Optional[str]) -> bool:
+        return name is not None and name.startswith(prefix)
+
+    selected = tuple(
+        dataclasses.replace(e, name=e.name[len(prefix):], joins=e.joins[len(prefix):] if inside(e.joins) else None)
+        for e in plan.selected if inside(e.name)
+    )
+    dropped = tuple((name[len(prefix):], why) for name, why in plan.dropped if inside(name))
+    return dataclasses.replace(plan, selected=selected, dropped=dropped)
 
 
 def mark(model: nn.Module, applied: Plan, observer: Any = None) -> Dict[str, nn.Module]:

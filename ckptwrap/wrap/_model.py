@@ -12,7 +12,7 @@ from torch import nn
 
 from .._errors import CheckpointConfigError
 from ..planner import Plan, as_example
-from ._marks import PLAN_ATTRIBUTE, apply_plan, unmark
+from ._marks import PLAN_ATTRIBUTE, apply_plan, record_plan, unmark
 from ._per_shape import PlanPerShape, StepEnd, remove_pending
 from ._planning import _select, check_max_shapes, measured, plan, refuse_inference, shape_planner
 from ._clients import cache_writes_off
@@ -133,7 +133,7 @@ def _wrap(
     if example_inputs is None and example_kwargs is None:
         remove_pending(model)
         _register(model, hook)
-        setattr(model, PLAN_ATTRIBUTE, dataclasses.replace(unmeasured, pending=True))
+        record_plan(model, dataclasses.replace(unmeasured, pending=True))
         return model
     args, kwargs = as_example(example_inputs, example_kwargs)
     check_max_shapes(model, max_shapes, (args, kwargs))
@@ -245,5 +245,5 @@ def unwrap_model(model: nn.Module) -> nn.Module:
             if hook is switch:
                 del model._forward_pre_hooks[key]
                 model._forward_pre_hooks_with_kwargs.pop(key, None)
-    model.__dict__.pop(PLAN_ATTRIBUTE, None)
+    record_plan(model, None)
     return given

@@ -31,7 +31,7 @@ from ..measure import SpanPeak
 from ..planner import Decision, Plan, PlanEntry, ShapePlanner, StepRecorder, is_measuring, step_device
 from ._clients import cache_writes_on
 from ._followed import FollowedStep
-from ._marks import PLAN_ATTRIBUTE, apply_plan, mark, named, unmark
+from ._marks import PLAN_ATTRIBUTE, apply_plan, mark, named, record_plan, unmark
 from ._planning import measured
 
 __all__ = ["PlanPerShape", "StepEnd", "remove_pending"]
@@ -155,9 +155,9 @@ class PlanPerShape:
             else:
                 unmark(named(model, previous))
                 mark(model, new, observer)
-                setattr(model, PLAN_ATTRIBUTE, new)
+                record_plan(model, new)
         else:
-            setattr(model, PLAN_ATTRIBUTE, new)
+            record_plan(model, new)
         self.applied, self._observed = new, observer is not None
         if same:
             return
@@ -189,7 +189,7 @@ class PlanPerShape:
         plan = self._least_memory()
         unmark(named(model, self.applied))
         mark(model, plan)
-        setattr(model, PLAN_ATTRIBUTE, plan)
+        record_plan(model, plan)
         self.applied, self._observed = plan, False
         self._step = None
 

@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import ckptwrap
+from ckptwrap.measure import measure_peak
 from ckptwrap.policy import find_blocks
 from ckptwrap.policy._library_units import library_units
 
@@ -60,8 +61,39 @@ def test_blocks_on_a_diffusers_model_are_what_diffusers_checkpoints(name):
     model = arch.build()
     assert library_units(list(model.named_modules())) == recorded
     # Where diffusers nests its checkpoints, the innermost units are the blocks (as for
-    # transformers' nested layers).
-    assert set(find_blocks(model)) == _innermost(recorded)
+    # transformers' nested layers), except where they are a small part of the outer unit:
+    # the autoencoder's mid blocks, checkpointed whole, and inside only their second resnet.
+    expected = _innermost(recorded)
+    if name == "autoencoder-kl":
+        expected = {n for n in expected if ".mid_block." not in n} | {
+            n for n in recorded if n.endswith(".mid_block")}
+        assert len(expected) == 6
+    assert set(find_blocks(model)) == expected
+
+
+def _peak(model: nn.Module, batch: Any) -> int:
+    def step() -> None:
+        torch.manual_seed(0)
+        model(**batch).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    step()  # warm: lazily made state outside the peak
+    with measure_peak("cpu") as peak:
+        step()
+    return peak.peak_bytes
+
+
+@pytest.mark.parametrize("name", ["unet2d-condition", "autoencoder-kl"])
+def test_blocks_reach_the_peak_of_diffusers_own_checkpointing(name):
+    # Before, the autoencoder's blocks left its mid blocks' attention and first resnet
+    # unchecked: 63% of the plain peak against diffusers' 39%.
+    arch = DIFFUSION[name]
+    batch = arch.batch(2, arch.lengths[1], 0, False)
+    theirs = arch.build()
+    theirs.model.enable_gradient_checkpointing()
+    ours = ckptwrap.wrap_model(arch.build(), "blocks")
+    plain = _peak(arch.build(), batch)
+    assert _peak(ours, batch) <= _peak(theirs, batch) + 0.02 * plain
 
 
 def test_the_unet_checkpoints_its_down_path_and_reaches_a_lower_peak():

@@ -92,3 +92,20 @@ def test_lora_gradients_flow_through_either_engine_without_input_require_grads(p
     assert not missing, f"LoRA gradients lost: {missing}"
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0, msg=name)
+
+
+def test_merge_and_unload_returns_a_model_that_is_still_checkpointed_and_says_how(plain):
+    namespace = run(PAGE, "peft")
+    merged = namespace["model"].merge_and_unload()
+    assert isinstance(merged, transformers.GPT2LMHeadModel)
+    assert merged.ckptwrap_plan.names == [f"transformer.h.{i}" for i in range(LAYERS)]
+    tokens = namespace["tokens"][:4]
+    merged.requires_grad_(True)  # PEFT left the base weights frozen: train them all now
+    with runs_of("GPT2Attention") as counts:
+        merged(input_ids=tokens, labels=tokens).loss.backward()
+    assert counts == {"forward": LAYERS, "recomputed": LAYERS}
+    ckptwrap.unwrap_model(merged)
+    assert "ckptwrap_plan" not in merged.__dict__
+    with runs_of("GPT2Attention") as counts:
+        merged(input_ids=tokens, labels=tokens).loss.backward()
+    assert counts == {"forward": LAYERS}
