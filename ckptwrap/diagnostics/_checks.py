@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Set
 
+import torch
 from torch import nn
 
 from .. import _torch_private
@@ -23,6 +24,8 @@ __all__ = [
     "check_reentrant_calls",
     "check_savings",
     "check_selected_twice",
+    "buffers_of",
+    "check_buffers_changed",
     "check_code_checkpointing",
     "check_transformers_checkpointing",
     "display",
@@ -83,6 +86,43 @@ def check_selected_twice(regions: List[Region], prefix: str) -> List[Finding]:
                 "third forward.",
                 details=(f"{name} is inside checkpointed {outer or '<model>'}",),
             ))
+    return findings
+
+
+_STATISTICS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+def buffers_of(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """A copy of every buffer of ``model`` but normalisation statistics, by qualified name."""
+    return {
+        name: buffer.detach().clone() for name, buffer in model.named_buffers()
+        if name.rsplit(".", 1)[-1] not in _STATISTICS
+    }
+
+
+def check_buffers_changed(
+    model: nn.Module, before: Dict[str, torch.Tensor], regions: List[Region], prefix: str
+) -> List[Finding]:
+    """Regions whose forward changed buffers of theirs in place in the plain step
+    (spectral normalisation's ``u`` and ``v``, a counter): said, with what ckptwrap does."""
+    changed = [name for name, buffer in model.named_buffers()
+               if name in before and not torch.equal(buffer, before[name])]
+    findings = []
+    for region in regions:
+        mine = [name for name in changed if region.name == "" or name.startswith(region.name + ".")]
+        if not mine:
+            continue
+        name = display(prefix, region.name)
+        findings.append(Finding(
+            "info", "buffers-changed", name,
+            f"{name}'s forward changes buffers in place ({_few([display(prefix, b) for b in mine])}): "
+            f"ckptwrap copies them before the forward and replays them in each recomputation, so "
+            f"the recomputation computes what the forward did and each buffer changes once per "
+            f"step, as without checkpointing.",
+            "nothing to change; a changed buffer over 64 KiB is not copied, and its recomputation "
+            "is refused, naming it.",
+            details=tuple(f"{display(prefix, b)}" for b in mine[:8]),
+        ))
     return findings
 
 

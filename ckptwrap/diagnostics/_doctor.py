@@ -52,6 +52,9 @@ def doctor(
       also checkpoints (transformers', diffusers' or timm's flag on, torch's
       ``CheckpointWrapper``), or that the model's own code hands to a checkpoint function;
     - ``not-called`` (warning): a region the forward never calls;
+    - ``buffers-changed`` (info): a region whose forward changes buffers in place
+      (spectral normalisation's ``u`` and ``v``, a counter), named, with how ckptwrap
+      replays them;
     - ``reentrant-no-grad-input``, ``reentrant-keyword-tensors`` (info): calls that
       torch's re-entrant variant gets wrong (it drops parameter gradients when no input
       requires grad, and refuses keyword arguments) and ckptwrap's handles.
@@ -105,8 +108,10 @@ def doctor(
     findings += _checks.check_transformers_checkpointing(local, regions, prefix)
     findings += _checks.check_code_checkpointing(local, regions, prefix)
 
+    buffers = _checks.buffers_of(plain_model)
     with recording_calls(plain_model) as called:
         plain = _plain_step(plain_model, args, kwargs, loss)
+    findings += _checks.check_buffers_changed(plain_model, buffers, regions, prefix)
     with Observer(checkpointed_model, regions) as observer:
         try:
             checkpointed: Optional[StepResult] = run_step(

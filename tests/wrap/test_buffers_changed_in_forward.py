@@ -109,3 +109,17 @@ def test_buffers_left_alone_cost_no_copy_kept():
     keep(torch.randn(2, 16))
     kept = sorted(_region._label(entry.where) for entry in keep._changed)
     assert kept == ["'fc.weight_u' of Block (Linear)", "'fc.weight_v' of Block (Linear)", "'steps' of Block (Block)"]
+
+
+@pytest.mark.parametrize("norm", sorted(NORMS))
+def test_the_doctor_names_the_buffers_a_checkpointed_forward_changes(norm):
+    from ckptwrap.diagnostics import doctor
+
+    torch.manual_seed(0)
+    model = ckptwrap.wrap_model(Net(norm), "blocks")
+    report = doctor(model, example_inputs=(torch.randn(4, 16),))
+    changed = [f for f in report.findings if f.check == "buffers-changed"]
+    assert changed and changed[0].severity == "info", [f.check for f in report.findings]
+    named = " ".join(changed[0].details)
+    assert "blocks.0.steps" in named and ("weight_u" in named or "_u" in named), named
+    assert not any(f.severity == "error" for f in report.findings), report.findings
