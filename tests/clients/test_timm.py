@@ -15,8 +15,10 @@ elsewhere.
 from __future__ import annotations
 
 import copy
+import sys
 import warnings
-from typing import Any, Dict, List, Set, Tuple
+from pathlib import Path
+from typing import Any, Dict, Set, Tuple
 
 import pytest
 import torch
@@ -25,6 +27,9 @@ from torch import nn
 
 import ckptwrap
 from ckptwrap.policy import find_blocks
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "policy"))
+from _watch import checkpointed_units  # noqa: E402
 
 timm = pytest.importorskip("timm")
 
@@ -66,42 +71,8 @@ def _build(key: str) -> Tuple[nn.Module, torch.Tensor]:
 
 
 def _timm_units(model: nn.Module, images: torch.Tensor) -> Set[str]:
-    """The modules timm's own checkpointing hands to torch's checkpoint in one training
-    step: those each checkpoint call runs first, innermost where calls nest."""
-    names = {id(module): name for name, module in model.named_modules()}
-    running: List[nn.Module] = []
-    depths: List[int] = []
-    units: Set[str] = set()
-
-    def enter(module: nn.Module, args: Any) -> None:
-        if depths and len(running) == depths[-1]:
-            units.add(names[id(module)])
-        running.append(module)
-
-    def leave(module: nn.Module, args: Any, output: Any) -> None:
-        running.pop()
-
-    handles = [m.register_forward_pre_hook(enter) for m in model.modules()]
-    handles += [m.register_forward_hook(leave) for m in model.modules()]
-    original = torch.utils.checkpoint.checkpoint
-
-    def watched(function: Any, *args: Any, **kwargs: Any) -> Any:
-        depths.append(len(running))
-        try:
-            return original(function, *args, **kwargs)
-        finally:
-            depths.pop()
-
-    torch.utils.checkpoint.checkpoint = watched
-    model.set_grad_checkpointing(True)
-    try:
-        model(images).sum().backward()
-    finally:
-        torch.utils.checkpoint.checkpoint = original
-        model.set_grad_checkpointing(False)
-        for handle in handles:
-            handle.remove()
-    return {name for name in units if not any(other.startswith(name + ".") for other in units)}
+    """The modules timm's own checkpointing hands to torch's checkpoint in one training step."""
+    return checkpointed_units(model, lambda: model(images).sum().backward(), torch.utils.checkpoint)
 
 
 @pytest.mark.parametrize("key", sorted(MODELS))

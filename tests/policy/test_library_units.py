@@ -30,6 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 pytest.importorskip("diffusers")
 from _diffusion import DIFFUSION  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _watch import checkpointed_units  # noqa: E402
+
 
 def _innermost(names: Set[str]) -> Set[str]:
     return {name for name in names if not any(other.startswith(name + ".") for other in names)}
@@ -263,46 +266,9 @@ class _Children(nn.Module):
         return self.b2(self.b1(x))
 
 
-def _watched_units(model: nn.Module, x: torch.Tensor) -> Set[str]:
-    """The modules each checkpoint call runs first, with the model's flags on."""
-    names = {id(module): name for name, module in model.named_modules()}
-    running: List[nn.Module] = []
-    depths: List[int] = []
-    units: Set[str] = set()
-
-    def enter(module: nn.Module, args: Any) -> None:
-        if depths and len(running) == depths[-1]:
-            units.add(names[id(module)])
-        running.append(module)
-
-    def leave(module: nn.Module, args: Any, output: Any) -> None:
-        running.pop()
-
-    handles = [m.register_forward_pre_hook(enter) for m in model.modules()]
-    handles += [m.register_forward_hook(leave) for m in model.modules()]
-
-    def watched(function: Any, *args: Any, **kwargs: Any) -> Any:
-        depths.append(len(running))
-        try:
-            return torch.utils.checkpoint.checkpoint(function, *args, **kwargs)
-        finally:
-            depths.pop()
-
-    globals()["checkpoint"] = watched
-    model.set_grad_checkpointing(True)
-    try:
-        model(x).backward()
-    finally:
-        globals()["checkpoint"] = torch.utils.checkpoint.checkpoint
-        model.set_grad_checkpointing(False)
-        for handle in handles:
-            handle.remove()
-    return units
-
-
 def test_units_from_methods_forward_calls_flattened_children_and_all_but_the_last():
     model = _Layered()
-    truth = _watched_units(model, torch.randn(2, 8))
+    truth = checkpointed_units(model, lambda: model(torch.randn(2, 8)).backward(), sys.modules[__name__])
     assert truth == {"layer1.0", "layer1.1", "layer2.0", "layer2.1", "layer2.2", "blocks.0.0", "blocks.1.0",
                      "tail.b1", "tail.b2"}
     assert library_units(list(model.named_modules())) == truth
