@@ -20,7 +20,7 @@ from ._measuring import PlanSettings, is_measuring, region_bytes
 from ._planner import Decision, ShapePlanner
 from ._recorder import StepRecorder
 from ._module_costs import ModelProfile, ModuleCost
-from ._profile import profile_modules, step_device
+from ._profile import profile_modules, refuse_unreal, step_device, unreal
 from ._solver import (
     BudgetSolution,
     PercentBudget,
@@ -65,6 +65,8 @@ __all__ = [
     "smallest_reachable_peak",
     "solve_budget",
     "step_device",
+    "refuse_unreal",
+    "unreal",
     "step_items",
     "with_step_terms",
 ]

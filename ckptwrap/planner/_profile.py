@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import functools
 import itertools
+import sys
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -29,7 +30,7 @@ from ._progress import ProgressBar, should_show
 from ._recorder import StepRecorder
 from ._timing import RngState
 
-__all__ = ["measure_inputs", "profile_modules", "step_device"]
+__all__ = ["measure_inputs", "profile_modules", "refuse_unreal", "step_device", "unreal"]
 
 
 def profile_modules(
@@ -155,6 +156,7 @@ def measure_inputs(
     Raises:
         CheckpointConfigError: If the recording failed (it says why).
     """
+    refuse_unreal(model, args, kwargs)
     device = step_device(model, args, kwargs)
     recorder = StepRecorder(model, targets, device, save_policy=save_policy, timed=timed, bar=bar)
     state = _ModelState(model)
@@ -277,6 +279,41 @@ def _leaves(roots: List[torch.Tensor]) -> List[torch.Tensor]:
     """The leaf tensors whose ``.grad`` a backward from ``roots`` accumulates into."""
     found = (getattr(node, "variable", None) for node in graph_nodes(roots))
     return list({id(t): t for t in found if isinstance(t, torch.Tensor)}.values())
+
+
+def unreal(model: nn.Module, args: Any, kwargs: Any, *, first_only: bool = False) -> Optional[str]:
+    """What makes a step of ``model`` on these inputs unmeasurable, if anything: a
+    parameter, buffer or input on the meta device, or a fake tensor (``FakeTensorMode``).
+    With ``first_only``, of the model's tensors only its first parameter is looked at (a
+    model is on the meta device whole: a check for every training forward)."""
+    own = itertools.chain(model.parameters(), model.buffers())
+    for tensor in itertools.chain(tensors((args, kwargs)), itertools.islice(own, 1) if first_only else own):
+        if tensor.device.type == "meta":
+            return "it is on the meta device"
+        if _is_fake(tensor):
+            return "it is made of fake tensors (FakeTensorMode)"
+    return None
+
+
+def refuse_unreal(model: nn.Module, args: Any, kwargs: Any) -> None:
+    """Refuse to measure a step that allocates nothing real (see :func:`unreal`)."""
+    why = unreal(model, args, kwargs)
+    if why is not None:
+        raise CheckpointConfigError(
+            f"ckptwrap cannot measure {type(model).__name__}'s training step: {why}, where "
+            f"nothing is allocated and other kernels run (attention, fused operators) than on "
+            f"the device it will train on, so every peak and time it predicted would be wrong "
+            f"(on a Llama, the plain step's peak 29% too high, blocks' 67% too low). Measure on "
+            f"the device it trains on (build or load the model there, with real inputs), or "
+            f"wrap it on the meta device without example inputs and let a budget measure its "
+            f"first training steps once it is materialised (to_empty() and its weights loaded)."
+        )
+
+
+def _is_fake(tensor: torch.Tensor) -> bool:
+    fake = sys.modules.get("torch._subclasses.fake_tensor")
+    fake_class = getattr(fake, "FakeTensor", None)
+    return isinstance(fake_class, type) and isinstance(tensor, fake_class)
 
 
 def step_device(model: nn.Module, args: Any, kwargs: Any) -> torch.device:

@@ -28,7 +28,7 @@ from .._compiling import outside_graph
 from .._errors import CheckpointConfigError
 from .._warn import note, warn
 from ..measure import SpanPeak
-from ..planner import Decision, Plan, PlanEntry, ShapePlanner, StepRecorder, is_measuring, step_device
+from ..planner import Decision, Plan, PlanEntry, ShapePlanner, StepRecorder, is_measuring, step_device, unreal
 from ._clients import cache_writes_on
 from ._followed import FollowedStep
 from ._marks import PLAN_ATTRIBUTE, apply_plan, mark, named, record_plan, unmark
@@ -51,6 +51,7 @@ class PlanPerShape:
         self._solved = False  # whether a plan solved from costs was applied
         self._overlapping = False  # a forward began while another's backward was pending
         self.unfollowed = False  # whether a step's output was found to hold nothing to follow
+        self._said_unreal = False  # whether a step with nothing to measure was said
 
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
@@ -84,6 +85,10 @@ class PlanPerShape:
 
     def step(self, model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         """Decide this training forward's plan, mark it, and start following the step."""
+        why = unreal(model, args, kwargs, first_only=True)
+        if why is not None:  # nothing to measure: least memory, unplanned, said once
+            self._unmeasurable(model, why)
+            return
         device = step_device(model, args, kwargs)
         decision = self.planner.decide(model, args, kwargs, device=device, fresh=functools.partial(_fresh, model))
         if decision.measure and self._overlapping:
@@ -108,6 +113,25 @@ class PlanPerShape:
         # Followed to the end even unmetered: a forward that comes before its backward
         # must know this one's graph is still alive.
         self._follow(FollowedStep(model, self.planner, decision, meter=meter))
+
+    def _unmeasurable(self, model: nn.Module, why: str) -> None:
+        """A training forward where nothing can be measured (the meta device, fake
+        tensors): the plan of least memory, unplanned, and the user told once."""
+        plan = self._least_memory()
+        if self.applied is None or self.applied.selected != plan.selected or self._observed:
+            if self.applied is not None:
+                unmark(named(model, self.applied))
+            mark(model, plan)
+            record_plan(model, plan)
+            self.applied, self._observed = plan, False
+        if not self.__dict__.get("_said_unreal", False):
+            self._said_unreal = True
+            warn(
+                f"{type(model).__name__}: a training forward ran where {why}: ckptwrap measures "
+                f"nothing there (nothing is allocated, other kernels run), so this step runs "
+                f"under the plan of least memory, unplanned; the budget plans from the first "
+                f"training steps on the device the model trains on."
+            )
 
     def _follow(self, step: "FollowedStep") -> None:
         self._step = step
