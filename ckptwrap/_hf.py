@@ -33,6 +33,7 @@ __all__ = [
     "checkpointing_on",
     "describe_flags",
     "flags_on",
+    "flagged",
     "fresh_caches",
     "hf_layer_class",
     "how_to_keep_off",
@@ -116,27 +117,32 @@ def _torch_wrapper(module: nn.Module) -> bool:
     return isinstance(wrapper, type) and isinstance(module, wrapper) and hasattr(module, WRAPPER_SWITCH)
 
 
+def flagged(module: nn.Module) -> bool:
+    """Whether ``module`` carries a library's own checkpointing flag (``FLAGS``)."""
+    return any(isinstance(getattr(module, flag, None), bool) for flag in FLAGS)
+
+
 def checkpointing_flagged(model: nn.Module) -> List[Tuple[str, nn.Module]]:
-    """The modules of ``model`` that carry a library's own checkpointing flag (``FLAGS``),
-    by qualified name."""
-    return [
-        (name, m) for name, m in model.named_modules()
-        if any(isinstance(getattr(m, flag, None), bool) for flag in FLAGS) or _torch_wrapper(m)
-    ]
+    """The modules of ``model`` that carry a library's own checkpointing flag, and torch's
+    ``CheckpointWrapper`` modules, by qualified name."""
+    return [(name, m) for name, m in model.named_modules() if flagged(m) or _torch_wrapper(m)]
 
 
 def checkpointing_on(module: nn.Module) -> bool:
-    """Whether a library's own gradient checkpointing is on for ``module``."""
-    return bool(flags_on(module))
+    """Whether a library's own gradient checkpointing is on for ``module`` (asked before
+    every training forward of a wrapped model: no list is built)."""
+    return any(getattr(module, flag, None) is True for flag in FLAGS) or _wrapper_on(module)
 
 
 def flags_on(module: nn.Module) -> List[str]:
     """The checkpointing flags that are on in ``module`` (:data:`WRAPPER_SWITCH` for a
     torch ``CheckpointWrapper`` that checkpoints)."""
     on = [flag for flag in FLAGS if getattr(module, flag, None) is True]
-    if _torch_wrapper(module) and getattr(module, WRAPPER_SWITCH) is not call_directly:
-        on.append(WRAPPER_SWITCH)
-    return on
+    return on + [WRAPPER_SWITCH] if _wrapper_on(module) else on
+
+
+def _wrapper_on(module: nn.Module) -> bool:
+    return _torch_wrapper(module) and getattr(module, WRAPPER_SWITCH) is not call_directly
 
 
 def switch_off(module: nn.Module, flag: str) -> Any:

@@ -284,10 +284,12 @@ def _leaves(roots: List[torch.Tensor]) -> List[torch.Tensor]:
 def unreal(model: nn.Module, args: Any, kwargs: Any, *, first_only: bool = False) -> Optional[str]:
     """What makes a step of ``model`` on these inputs unmeasurable, if anything: a
     parameter, buffer or input on the meta device, or a fake tensor (``FakeTensorMode``).
-    With ``first_only``, of the model's tensors only its first parameter is looked at (a
-    model is on the meta device whole: a check for every training forward)."""
+    With ``first_only`` (a check before every training forward), only the model's first
+    parameter or buffer is looked at: a model is on the meta device or fake whole, and a
+    real model does not run on meta or fake inputs."""
     own = itertools.chain(model.parameters(), model.buffers())
-    for tensor in itertools.chain(tensors((args, kwargs)), itertools.islice(own, 1) if first_only else own):
+    found = itertools.islice(own, 1) if first_only else itertools.chain(tensors((args, kwargs)), own)
+    for tensor in found:
         if tensor.device.type == "meta":
             return "it is on the meta device"
         if _is_fake(tensor):

@@ -51,15 +51,16 @@ def find_blocks(model: nn.Module) -> List[str]:
     repeated or not, and where they nest (Swin's stages hold its layers) the innermost
     are kept, since checkpointing only the outer ones would hold a whole stage's
     activations at once during its recomputation; unless the inner ones hold less than
-    60% of the outer one's parameters (a diffusers mid block checkpoints one
-    of its resnets inside: the outer one is kept). A repeated block that holds declared
-    layers gives way to them, and one inside a kept declared layer is part of it.
-    transformers is never imported here: the class is looked up only if the model's
-    library has loaded it. Modules of other
-    libraries that checkpoint parts of themselves (diffusers, timm: a
-    ``gradient_checkpointing`` or ``grad_checkpointing`` flag) declare the units their
-    forwards hand to a checkpoint function, read from their source (``_library_units``);
-    a repeated group of which the library checkpoints only some members gives only those.
+    60% of the outer one's parameters (a diffusers mid block checkpoints one of its
+    resnets inside: the outer one is kept). A repeated block that holds declared layers
+    gives way to them, and one inside a kept declared layer is part of it. transformers
+    is never imported here: the class is looked up only if the model's library has
+    loaded it. Modules of other libraries that checkpoint parts of themselves (diffusers,
+    timm: a ``gradient_checkpointing`` or ``grad_checkpointing`` flag) declare the units
+    their forwards hand to a checkpoint function, read from their source
+    (``_library_units``); a repeated group of which the library checkpoints only some
+    members gives only those, and inside a module whose library decides what it
+    checkpoints, nothing else that repeats is taken.
 
     A model whose only repetition is of modules without submodules (a plain
     ``nn.Sequential`` MLP) has no blocks in that sense; there the members of the class

@@ -29,7 +29,7 @@ from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Set, Tu
 
 from torch import nn
 
-from .._hf import FLAGS
+from .._hf import flagged
 
 __all__ = ["code_units", "library_units"]
 
@@ -101,11 +101,6 @@ def _names_of(unit: Unit, module: nn.Module, name: str) -> List[str]:
 
 _SWITCHES = ("set_grad_checkpointing", "gradient_checkpointing_enable", "enable_gradient_checkpointing")
 """Methods by which timm, transformers and diffusers models switch their checkpointing on."""
-
-
-def flagged(module: nn.Module) -> bool:
-    """Whether ``module`` carries a library's gradient checkpointing flag."""
-    return any(isinstance(getattr(module, flag, None), bool) for flag in FLAGS)
 
 
 def switchable(module: nn.Module) -> bool:

@@ -5,13 +5,13 @@ checkpoint(block, x)``), with no library flag around it, checkpoints that module
 ckptwrap does: to the plan it is a checkpointed module, as one marked by ckptwrap is. A
 policy's selection leaves it, and whatever holds it or lies in it, to that code (a module
 checkpointed twice runs three times a step and saves nothing more), and says so once.
-The calls are read from the source (``policy._library_units.code_units``), never by
+The calls are read from the source (``policy.code_units``), never by
 running the model; one under ``if self.use_checkpoint:`` with that flag off does not count.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List
 
 from torch import nn
 
@@ -30,13 +30,9 @@ def checkpointed_by_code(modules: Dict[str, nn.Module]) -> Dict[str, str]:
     }
 
 
-def say_left_to_code(model: nn.Module, dropped: List[Tuple[str, str]], by_code: Dict[str, str]) -> None:
-    """One warning when the policy selected modules the model's own code checkpoints, or
-    that hold them or lie in them: they are left to that code."""
-    def touches(name: str) -> bool:
-        return any(name == unit or name.startswith(unit + ".") or unit.startswith(name + ".") for unit in by_code)
-
-    left = [name for name, reason in dropped if touches(name) and "checkpoint" in reason]
+def say_left_to_code(model: nn.Module, left: List[str], by_code: Dict[str, str]) -> None:
+    """One warning when the policy selected modules (``left``) that the model's own code
+    checkpoints, or that hold them or lie in them: they are left to that code."""
     if not left:
         return
     calls = sorted(set(by_code.values()))

@@ -42,13 +42,24 @@ def record_plan(model: nn.Module, plan: Optional[Plan]) -> None:
         setattr(base, PLAN_ATTRIBUTE, _rooted(plan, prefix))
 
 
+_PEFT_BASES = ("base_model.model", "base_model")
+"""Where PEFT keeps the base model: under its tuner (LoRA and the like), or as the tuner."""
+
+
 def _peft_base(model: nn.Module) -> Tuple[Optional[nn.Module], str]:
-    """A PEFT model's base model (``get_base_model()``) and its qualified name in it."""
+    """A PEFT model's base model (``get_base_model()``) and its qualified name in it, with
+    a dot. Asked with every plan recorded, at each training forward of a lazy budget: the
+    places PEFT keeps it are looked at, not every module."""
     if type(model).__module__.split(".")[0] != "peft" or not callable(getattr(model, "get_base_model", None)):
         return None, ""
     base = model.get_base_model()
-    name = next((n for n, m in model.named_modules() if m is base and n), None)
-    return (base, name + ".") if name is not None else (None, "")
+    for path in _PEFT_BASES:
+        try:
+            if model.get_submodule(path) is base:
+                return base, path + "."
+        except AttributeError:
+            continue
+    return None, ""
 
 
 def _rooted(plan: Plan, prefix: str) -> Plan:

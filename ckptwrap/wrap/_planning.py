@@ -311,10 +311,12 @@ def _select(
 
     selected: List[PlanEntry] = []
     dropped: List[Tuple[str, str]] = []
+    left_to_code: List[str] = []  # selected, but the model's own code checkpoints it, in or around it
     for name in _callable_modules(names, modules, dropped):
         module = modules[name]
         if name in by_code:
             dropped.append((name, f"already checkpointed by {by_code[name]}"))
+            left_to_code.append(name)
             continue
         how_marked = markings[name]
         if how_marked is not None:
@@ -331,15 +333,19 @@ def _select(
             ancestor = _enclosing(name, [e.name for e in selected] + existing)
             if ancestor is not None:
                 dropped.append((name, f"inside checkpointed {ancestor} (pass nested=True to nest)"))
+                if ancestor in by_code:
+                    left_to_code.append(name)
                 continue
             inner = next((other for other in existing if other.startswith(name + ".")), None)
             if inner is not None:
                 dropped.append(
                     (name, f"contains checkpointed {inner} (pass nested=True to nest, or unwrap first)")
                 )
+                if inner in by_code:
+                    left_to_code.append(name)
                 continue
         selected.append(PlanEntry(name, type(module).__name__))
-    say_left_to_code(model, dropped, by_code)
+    say_left_to_code(model, left_to_code, by_code)
     unmeasured = Plan(
         policy=str(policy_object),
         options=resolved,
