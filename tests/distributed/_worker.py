@@ -31,11 +31,13 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import ckptwrap  # noqa: E402
 from _dist_setup import (  # noqa: E402
     CONFIG, GLOBAL_BATCH, STEPS, build_model, make_optimizer, synthetic_batch,
 )
+from _allocator import allocator_peak  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
 
@@ -104,21 +106,6 @@ def mismatched(strategy: str, rank: int) -> Dict[str, Any]:
     shape from the first step on: each rank learns from its own steps, with no collective
     of the planner's, so none waits on another. Every step is read at the CPU allocator
     (``torch.profiler``'s memory events, around zero_grad, forward and backward)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    def allocator_peak(step: Any) -> int:
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            step()
-        events = sorted(
-            (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-            key=lambda e: e.start_ns(),
-        )
-        live = peak = 0
-        for event in events:
-            live += event.nbytes()
-            peak = max(peak, live)
-        return peak
-
     torch.manual_seed(0)
     model = GPT(LONG)
     plain = copy.deepcopy(model)

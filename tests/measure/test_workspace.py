@@ -4,12 +4,18 @@ profiler never seeing the reading, and never below what the allocator saw."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch.profiler import profile
 
 from ckptwrap import _torch_private
 from ckptwrap.measure import _workspace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from _allocator import events_peak  # noqa: E402
 
 aten = torch.ops.aten
 
@@ -30,14 +36,6 @@ def _backward_args(channels: int = 64, side: int = 4, kernel: int = 7, channels_
     return (grad, x, w, [channels], [1, 1], pad, [1, 1], False, [0, 0], channels, [True, True, True])
 
 
-def _allocator_peak(events) -> int:
-    live = peak = 0
-    for event in sorted(events, key=lambda e: e.start_ns()):
-        live += event.nbytes()
-        peak = max(peak, live)
-    return peak
-
-
 @pytest.mark.parametrize("channels_last", [True, False])
 def test_a_reading_under_the_callers_profiler_matches_one_without(channels_last):
     args = _backward_args(channels_last=channels_last)
@@ -51,8 +49,7 @@ def test_a_reading_under_the_callers_profiler_matches_one_without(channels_last)
         assert torch.equal(got, want)
     names = [event.name for event in prof.events()]
     assert names.count("aten::convolution_backward") == 1  # the reading was not recorded
-    memory = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    assert aside >= _allocator_peak(memory)
+    assert aside >= events_peak(prof)
 
 
 def test_a_channels_last_depthwise_backward_holds_far_more_than_its_tensors():
@@ -63,9 +60,8 @@ def test_a_channels_last_depthwise_backward_holds_far_more_than_its_tensors():
     with profile(profile_memory=True) as prof:
         out, held = _workspace.run_held(aten.convolution_backward.default, args, {})
     tensors = sum(t.untyped_storage().nbytes() for t in (*args[:3], *out) if isinstance(t, torch.Tensor))
-    memory = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    assert _allocator_peak(memory) > 10 * tensors
-    assert held >= _allocator_peak(memory)
+    assert events_peak(prof) > 10 * tensors
+    assert held >= events_peak(prof)
 
 
 def test_each_signature_is_read_once(monkeypatch):

@@ -3,8 +3,10 @@ the forward or a recomputation creates (what the budget planner predicts)."""
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
+from pathlib import Path
 from typing import Callable, Dict, List
 
 import torch
@@ -12,6 +14,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import ckptwrap
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from _allocator import allocator_peak  # noqa: E402
 
 
 class ActivationMeter(TorchDispatchMode):
@@ -68,18 +73,6 @@ def _key(tensor: torch.Tensor) -> int:
 
 def allocator_step_peak(step: Callable[[], None]) -> int:
     """Peak bytes the CPU allocator held during ``step()`` above what it held before:
-    every allocation and free, operators' own workspaces included, from ``torch.profiler``'s
-    memory events (a meter independent of ckptwrap's)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = [
-        event for event in prof.profiler.kineto_results.events()
-        if event.name() == "[memory]" and event.device_type() == torch.autograd.DeviceType.CPU
-    ]
-    live = peak = 0
-    for event in sorted(events, key=lambda event: event.start_ns()):
-        live += event.nbytes()
-        peak = max(peak, live)
-    return peak
+    every allocation and free of the step's own blocks, operators' own workspaces included,
+    from ``torch.profiler``'s memory events (a meter independent of ckptwrap's)."""
+    return allocator_peak(step)
