@@ -85,6 +85,12 @@ def prepare(args: argparse.Namespace) -> Tuple[nn.Module, Tuple[torch.Tensor, ..
     dtype = _input_dtype(args.input_dtype, args.input_high)
     device = _device(args.device)
     torch.manual_seed(args.seed)
+    if device.type == "meta":
+        # Built there, nothing allocated; the inputs stay real, on the CPU, so that code
+        # reading their values runs when the step is planned on fake tensors.
+        with device:
+            model = _build_model(args.factory)
+        return model.train(), _make_inputs(shapes, dtype, args.input_high, torch.device("cpu"), args.seed), shapes
     model = _build_model(args.factory)
     try:
         model.to(device)

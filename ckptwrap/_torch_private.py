@@ -22,6 +22,7 @@ __all__ = [
     "device_context_class",
     "disable_current_modes",
     "dropout_classes",
+    "fake_tensor",
     "fallbacks_in_use",
     "function_mode_stack",
     "global_forward_pre_hooks",
@@ -262,3 +263,31 @@ def _legacy_memory_profiler() -> Optional[Tuple[Callable[..., None], Callable[[]
 
 # The legacy profiler, for reading a CPU operator's own allocations (``measure._workspace``).
 legacy_memory_profiler = _legacy_memory_profiler()
+
+
+class _FakeTensors(NamedTuple):
+    tensor_class: type
+    """torch's ``FakeTensor``."""
+    mode_class: type
+    """torch's ``FakeTensorMode``."""
+    outside: Callable[[], Any]
+    """A context manager in which no fake mode is active (the planner's own arithmetic)."""
+    data_dependent: Tuple[type, ...]
+    """The errors a fake tensor raises where an operator needs the values it lacks."""
+
+
+def _fake_tensor() -> Optional[_FakeTensors]:
+    module = _import("torch._subclasses.fake_tensor")
+    found = [_lookup(module, name, None) for name in ("FakeTensor", "FakeTensorMode", "unset_fake_temporarily")]
+    if None in found:
+        return None
+    errors = (
+        _lookup(module, name, None)
+        for name in ("DataDependentOutputException", "DynamicOutputShapeException", "UnsupportedOperatorException")
+    )
+    return _FakeTensors(found[0], found[1], found[2], tuple(e for e in errors if isinstance(e, type)))
+
+
+# torch's fake tensors: torch 2.1 and later. Fallback None: a model on the meta device or
+# made of fake tensors is refused where a step would be measured, as nothing can run it.
+fake_tensor: Optional[_FakeTensors] = _fake_tensor()

@@ -69,7 +69,17 @@ def _build_parser() -> argparse.ArgumentParser:
             "--input-shape 8,128 --vocab 512 --policy budget:50%%" % _PROG
         ),
     )
-    add_model_arguments(sub, device_help="device to profile on (default: cpu)")
+    add_model_arguments(
+        sub,
+        device_help="device to profile on (default: cpu); meta builds the model there and plans "
+        "it on fake tensors, allocating nothing",
+    )
+    sub.add_argument(
+        "--device-rates",
+        metavar="NAME",
+        help="with --device meta, the device whose rates price the step's times (h100-sxm, "
+        "a100-80gb, l4, ... or cpu; default: cpu)",
+    )
     sub.add_argument("--policy", default="blocks", help="policy string (default: blocks)")
     sub.add_argument(
         "--use-reentrant", action="store_true", help="plan for the re-entrant engine"
@@ -108,6 +118,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         nested=args.nested,
         example_inputs=inputs or None,
         profile=frontier_profile,
+        device_rates=args.device_rates,
         use_reentrant=args.use_reentrant,
     )
     print(json.dumps(result.to_dict(), indent=2) if args.json else result)

@@ -452,3 +452,26 @@ def test_pareto_points_reuse_a_given_profile(monkeypatch):
     assert line and references[0].label == "blocks (all 4)"
     with pytest.raises(CheckpointConfigError, match=r"lacks 2 of the 4 candidates of 'blocks' \(layers.2, layers.3\)"):
         pareto_points(model, inputs, "blocks", profile=profile_modules(model, _LAYER_NAMES[:2], inputs))
+
+
+# --------------------------------------------------------------------------- without the hardware
+
+
+def test_on_the_meta_device_the_plan_has_the_cpus_bytes_and_priced_times(capsys):
+    argv = [f"{_HERE}:tiny_stack", "--input-shape", "4,32,16", "--policy", "budget:80%", "--json"]
+    code, out, err = _run(capsys, *argv)
+    assert code == 0, err
+    on_cpu = json.loads(out)
+    code, out, err = _run(capsys, *argv, "--device", "meta", "--device-rates", "h100-sxm")
+    assert code == 0, err
+    on_meta = json.loads(out)
+    assert on_meta["plain_peak"] == on_cpu["plain_peak"] and on_meta["budget"] == on_cpu["budget"]
+    assert on_meta["predicted_peak"] <= on_meta["budget"]
+    assert (on_meta["priced_at"], on_cpu["priced_at"]) == ("h100-sxm", None)
+
+
+def test_unknown_device_rates_exit_2_naming_the_known_ones(capsys):
+    code, _, err = _run(
+        capsys, f"{_HERE}:tiny_stack", "--input-shape", "4,32,16", "--device", "meta", "--device-rates", "tpu-v9"
+    )
+    assert code == 2 and "'h100-sxm'" in err and "'tpu-v9'" in err

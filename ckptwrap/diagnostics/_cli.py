@@ -84,6 +84,12 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(
             "--use-reentrant applies to the wrapping by --policy; give a policy, or drop it"
         )
+    if args.device.strip().lower().startswith("meta"):
+        raise UsageError(
+            "doctor compares real training steps, and on --device meta nothing runs for real: "
+            "give the device the model trains on, or plan there without the hardware with "
+            "'plan --device meta'"
+        )
     model, inputs, _ = prepare(args)
     if args.policy is not None:
         _wrap(model, args.policy, inputs, args.use_reentrant)

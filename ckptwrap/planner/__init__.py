@@ -20,7 +20,9 @@ from ._measuring import PlanSettings, is_measuring, region_bytes
 from ._planner import Decision, ShapePlanner
 from ._recorder import StepRecorder
 from ._module_costs import ModelProfile, ModuleCost
-from ._profile import profile_modules, refuse_unreal, step_device, unreal
+from ._profile import profile_modules, step_device
+from ._rates import DEVICE_RATES, DeviceRates, device_rates
+from ._unreal import outside_fake, unreal
 from ._solver import (
     BudgetSolution,
     PercentBudget,
@@ -50,6 +52,9 @@ __all__ = [
     "StepPeaks",
     "StepRecorder",
     "as_example",
+    "DEVICE_RATES",
+    "DeviceRates",
+    "device_rates",
     "format_bytes",
     "is_measuring",
     "forward_items",
@@ -65,7 +70,7 @@ __all__ = [
     "smallest_reachable_peak",
     "solve_budget",
     "step_device",
-    "refuse_unreal",
+    "outside_fake",
     "unreal",
     "step_items",
     "with_step_terms",

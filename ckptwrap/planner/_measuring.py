@@ -87,6 +87,8 @@ class PlanSettings:
     """The engine option: on the CPU each region keeps the generator's state."""
     loss_fn: Optional[Callable[[Any], Any]] = None
     """How a training step turns the output into the loss (see ``plan``)."""
+    rates: Any = None
+    """What a step run on fake tensors is priced at (``plan``'s ``device_rates``)."""
 
     @property
     def names(self) -> List[str]:

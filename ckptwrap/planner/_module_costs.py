@@ -132,6 +132,9 @@ class ModelProfile:
     step: Optional[StepPeaks] = None
     """With ``step=True``: the memory of one whole training step with every outermost
     candidate checkpointed, phase by phase; what the step peak is predicted from."""
+    priced_at: Optional[str] = None
+    """For a step run on fake tensors, the rates its times were priced at (a device's
+    name); None where they were measured."""
     _index: Dict[str, ModuleCost] = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -156,6 +159,7 @@ class ModelProfile:
             "total_activation_bytes": self.total_activation_bytes,
             "base_bytes": self.base_bytes,
             "step": None if self.step is None else self.step.to_dict(),
+            "priced_at": self.priced_at,
         }
 
     @classmethod
@@ -166,4 +170,5 @@ class ModelProfile:
             total_activation_bytes=int(data["total_activation_bytes"]),
             base_bytes=int(data["base_bytes"]),
             step=None if data.get("step") is None else StepPeaks(**data["step"]),
+            priced_at=data.get("priced_at"),
         )

@@ -90,6 +90,11 @@ class Plan:
     scaled up), whose ``predicted_peak`` and ``plain_peak`` are then at or above the
     step's own."""
 
+    priced_at: Optional[str] = None
+    """For a plan from a step run on fake tensors (a model on the meta device or made of
+    fake tensors), the device whose rates its times were priced at, from FLOPs and bytes;
+    None where they were measured."""
+
     @property
     def from_bound(self) -> bool:
         """Whether the plan was solved from a bound (``costs_from``): its predictions are
@@ -140,6 +145,7 @@ class Plan:
             "predicted_peak": self.predicted_peak,
             "plain_peak": self.plain_peak,
             "costs_from": self.costs_from,
+            "priced_at": self.priced_at,
             "saved_bytes": self.saved_bytes,
             "recompute_time": self.recompute_time,
         }
@@ -173,6 +179,11 @@ class Plan:
             lines += _table(header, rows)
         else:
             lines += _table(("module", "class"), [(_shown(e), e.kind) for e in self.selected])
+        if measured and self.priced_at is not None:
+            lines.append(
+                f"(recompute times priced at {self.priced_at}'s peak rates from FLOPs and bytes: "
+                f"the step ran on fake tensors)"
+            )
         if any(e.joins for e in self.selected):
             lines.append("(+ runs in one region with the module above it: a segment)")
         if self.activation_bytes is not None and self.predicted_peak is not None:

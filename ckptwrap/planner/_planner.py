@@ -40,6 +40,7 @@ from ._profile import _resolve_targets, measure_inputs, step_device
 from ._schedule import CheckSchedule
 from ._solver import resolve_budget
 from ._timing import dispatch_cost, selective_cost
+from ._unreal import outside_fake
 
 __all__ = ["Decision", "ShapePlanner"]
 
@@ -265,22 +266,23 @@ class ShapePlanner:
             CheckpointConfigError: With ``strict``, when no plan fits the budget at these
                 shapes.
         """
-        self._take_in()
-        costs, sizes = self._layouts.of(args, kwargs)
-        if sizes not in costs.profiles:
-            settings = self.settings
-            with measuring(), (around() if around is not None else contextlib.nullcontext()):
-                profile = measure_inputs(
-                    model, _resolve_targets(model, settings.names), args, kwargs,
-                    loss_fn=settings.loss_fn, save_policy=settings.save_policy,
-                    preserve_rng_state=settings.preserve_rng_state,
-                )
-            costs.learn(sizes, profile)
-            self._measured += 1
-        region = region_bytes(step_device(model, args, kwargs), self.settings.preserve_rng_state)
-        choice = self._choice(costs, sizes, region, strict=strict, model=model)
-        self._schedule.soon()
-        return choice
+        with outside_fake():  # the step runs in its own fake mode; the arithmetic outside
+            self._take_in()
+            costs, sizes = self._layouts.of(args, kwargs)
+            if sizes not in costs.profiles:
+                settings = self.settings
+                with measuring(), (around() if around is not None else contextlib.nullcontext()):
+                    profile = measure_inputs(
+                        model, _resolve_targets(model, settings.names), args, kwargs,
+                        loss_fn=settings.loss_fn, save_policy=settings.save_policy,
+                        preserve_rng_state=settings.preserve_rng_state, rates=settings.rates,
+                    )
+                costs.learn(sizes, profile)
+                self._measured += 1
+            region = region_bytes(step_device(model, args, kwargs), self.settings.preserve_rng_state)
+            choice = self._choice(costs, sizes, region, strict=strict, model=model)
+            self._schedule.soon()
+            return choice
 
     def seed(self, args: Tuple[Any, ...], kwargs: Dict[str, Any], profile: ModelProfile) -> None:
         """Take ``profile``, measured on these inputs, as their costs."""

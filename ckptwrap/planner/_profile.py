@@ -14,7 +14,6 @@ import dataclasses
 import difflib
 import functools
 import itertools
-import sys
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -29,8 +28,9 @@ from ._module_costs import ModelProfile
 from ._progress import ProgressBar, should_show
 from ._recorder import StepRecorder
 from ._timing import RngState
+from ._unreal import measure_unreal, unreal
 
-__all__ = ["measure_inputs", "profile_modules", "refuse_unreal", "step_device", "unreal"]
+__all__ = ["measure_inputs", "profile_modules", "step_device"]
 
 
 def profile_modules(
@@ -148,15 +148,41 @@ def measure_inputs(
     timed: bool = True,
     bar: Optional[ProgressBar] = None,
     train: bool = True,
+    rates: Any = None,
 ) -> ModelProfile:
     """One step on given inputs, measured (see :func:`profile_modules`); the model is left
     as it was. With ``train``, a model in eval mode is measured in train mode (dropout
-    on), as it will train.
+    on), as it will train. A model on the meta device or made of fake tensors runs on
+    fake tensors, its times priced at ``rates`` (``_unreal``).
 
     Raises:
-        CheckpointConfigError: If the recording failed (it says why).
+        CheckpointConfigError: If the recording failed (it says why), or a step on fake
+            tensors needs a tensor's values.
     """
-    refuse_unreal(model, args, kwargs)
+    options = dict(
+        loss_fn=loss_fn, save_policy=save_policy, preserve_rng_state=preserve_rng_state, bar=bar, train=train,
+    )
+    why = unreal(model, args, kwargs)
+    if why is not None:
+        return measure_unreal(
+            lambda *step: _measure(*step, targets, timed=False, **options), model, args, kwargs, why, rates,
+        )
+    return _measure(model, args, kwargs, targets, timed=timed, **options)
+
+
+def _measure(
+    model: nn.Module,
+    args: Tuple[Any, ...],
+    kwargs: Dict[str, Any],
+    targets: Sequence[Tuple[str, nn.Module]],
+    *,
+    loss_fn: Optional[Callable[[Any], Any]],
+    save_policy: Optional[SavePolicy],
+    preserve_rng_state: bool,
+    timed: bool,
+    bar: Optional[ProgressBar],
+    train: bool,
+) -> ModelProfile:
     device = step_device(model, args, kwargs)
     recorder = StepRecorder(model, targets, device, save_policy=save_policy, timed=timed, bar=bar)
     state = _ModelState(model)
@@ -279,43 +305,6 @@ def _leaves(roots: List[torch.Tensor]) -> List[torch.Tensor]:
     """The leaf tensors whose ``.grad`` a backward from ``roots`` accumulates into."""
     found = (getattr(node, "variable", None) for node in graph_nodes(roots))
     return list({id(t): t for t in found if isinstance(t, torch.Tensor)}.values())
-
-
-def unreal(model: nn.Module, args: Any, kwargs: Any, *, first_only: bool = False) -> Optional[str]:
-    """What makes a step of ``model`` on these inputs unmeasurable, if anything: a
-    parameter, buffer or input on the meta device, or a fake tensor (``FakeTensorMode``).
-    With ``first_only`` (a check before every training forward), only the model's first
-    parameter or buffer is looked at: a model is on the meta device or fake whole, and a
-    real model does not run on meta or fake inputs."""
-    own = itertools.chain(model.parameters(), model.buffers())
-    found = itertools.islice(own, 1) if first_only else itertools.chain(tensors((args, kwargs)), own)
-    for tensor in found:
-        if tensor.device.type == "meta":
-            return "it is on the meta device"
-        if _is_fake(tensor):
-            return "it is made of fake tensors (FakeTensorMode)"
-    return None
-
-
-def refuse_unreal(model: nn.Module, args: Any, kwargs: Any) -> None:
-    """Refuse to measure a step that allocates nothing real (see :func:`unreal`)."""
-    why = unreal(model, args, kwargs)
-    if why is not None:
-        raise CheckpointConfigError(
-            f"ckptwrap cannot measure {type(model).__name__}'s training step: {why}, where "
-            f"nothing is allocated and other kernels run (attention, fused operators) than on "
-            f"the device it will train on, so every peak and time it predicted would be wrong "
-            f"(on a Llama, the plain step's peak 29% too high, blocks' 67% too low). Measure on "
-            f"the device it trains on (build or load the model there, with real inputs), or "
-            f"wrap it on the meta device without example inputs and let a budget measure its "
-            f"first training steps once it is materialised (to_empty() and its weights loaded)."
-        )
-
-
-def _is_fake(tensor: torch.Tensor) -> bool:
-    fake = sys.modules.get("torch._subclasses.fake_tensor")
-    fake_class = getattr(fake, "FakeTensor", None)
-    return isinstance(fake_class, type) and isinstance(tensor, fake_class)
 
 
 def step_device(model: nn.Module, args: Any, kwargs: Any) -> torch.device:

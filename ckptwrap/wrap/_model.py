@@ -14,7 +14,8 @@ from .._errors import CheckpointConfigError
 from ..planner import Plan, as_example
 from ._marks import PLAN_ATTRIBUTE, apply_plan, record_plan, unmark
 from ._per_shape import PlanPerShape, StepEnd, remove_pending
-from ._planning import _select, check_max_shapes, measured, plan, refuse_inference, shape_planner
+from ._max_shapes import check_max_shapes
+from ._planning import _select, measured, plan, refuse_inference, shape_planner
 from ._clients import cache_writes_off
 from ._transformers import TransformersSwitch, switch_of
 

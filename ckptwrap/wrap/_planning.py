@@ -5,8 +5,7 @@ a budget keeps; nothing in the model changes.
 from __future__ import annotations
 
 import dataclasses
-import inspect
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -22,15 +21,16 @@ from ..planner import (
     PlanSettings,
     ShapePlanner,
     as_example,
-    read_layout,
+    device_rates,
 )
 from ._code_checkpoints import checkpointed_by_code, say_left_to_code
+from ._max_shapes import check_max_shapes
 from ._forwards import marking
 from ..engine import CheckpointOptions, options_from
 from ._selective import SelectiveContexts
 from ._wrapper import refuse_torchscript
 
-__all__ = ["check_max_shapes", "measured", "plan", "plan_and_profile", "refuse_inference", "shape_planner"]
+__all__ = ["measured", "plan", "plan_and_profile", "refuse_inference", "shape_planner"]
 
 
 def plan(
@@ -42,6 +42,7 @@ def plan(
     example_kwargs: Optional[Dict[str, Any]] = None,
     loss_fn: Optional[Callable[[Any], Any]] = None,
     max_shapes: Optional[Mapping[Any, Sequence[int]]] = None,
+    device_rates: Any = None,
     **options: Any,
 ) -> Plan:
     """What :func:`wrap_model` would do with these arguments, without changing ``model``.
@@ -54,11 +55,12 @@ def plan(
         nested: Keep selected modules that lie inside other selected (or already
             checkpointed) modules, as nested checkpoints. By default they are left out.
         example_inputs: Positional inputs of one training forward (a tensor or a tuple).
-            Given, the candidates' costs are measured (at small shapes of these inputs,
-            fitted over their shapes, and checked with one step on them) and the plan
-            carries predicted memory and time; a ``budget:`` policy needs them. The model
-            runs as it is (measure a training model in train mode); its state is left
-            unchanged.
+            Given, the candidates' costs are measured on one training step on these
+            inputs and the plan carries predicted memory and time; a ``budget:`` policy
+            needs them. The model runs in train mode, on these inputs only; its state is
+            left unchanged. A model on the meta device or made of fake tensors
+            (``FakeTensorMode``) runs on fake tensors: bytes as on the device, times
+            priced at ``device_rates``.
         example_kwargs: Keyword inputs of that forward (a Hugging Face model's
             ``input_ids``, ``attention_mask``, ``labels``...).
         loss_fn: How the training step turns the model's output into the loss
@@ -72,6 +74,10 @@ def plan(
             ``{"input_ids": (8, 1024)}``: a ``budget:NN%`` is then read against the
             un-checkpointed step's peak at those shapes, and a budget they cannot reach
             is an error now.
+        device_rates: For a step on fake tensors, the rates its times are priced at: a
+            name of ``ckptwrap.planner.DEVICE_RATES`` (``"h100-sxm"``, ``"a100-80gb"``...),
+            ``"cpu"`` (this CPU's, measured), or a ``ckptwrap.planner.DeviceRates``. By
+            default those of the fake tensors' device here.
         **options: Engine options of :func:`ckptwrap.checkpoint`.
 
     Returns:
@@ -86,7 +92,8 @@ def plan(
     """
     return plan_and_profile(
         model, policy, nested=nested, example_inputs=example_inputs,
-        example_kwargs=example_kwargs, loss_fn=loss_fn, max_shapes=max_shapes, **options,
+        example_kwargs=example_kwargs, loss_fn=loss_fn, max_shapes=max_shapes,
+        device_rates=device_rates, **options,
     )[0]
 
 
@@ -100,6 +107,7 @@ def plan_and_profile(
     profile: Optional[ModelProfile] = None,
     loss_fn: Optional[Callable[[Any], Any]] = None,
     max_shapes: Optional[Mapping[Any, Sequence[int]]] = None,
+    device_rates: Any = None,
     **options: Any,
 ) -> Tuple[Plan, Optional[ModelProfile]]:
     """:func:`plan`, and the profile its predictions come from (None when unmeasured).
@@ -118,7 +126,7 @@ def plan_and_profile(
             f"{type(model).__name__}; wrap_model without them measures on the first "
             f"training forward instead."
         )
-    planner = shape_planner(model, policy, unmeasured, budget, loss_fn, max_shapes)
+    planner = shape_planner(model, policy, unmeasured, budget, loss_fn, max_shapes, device_rates)
     args, kwargs = as_example(example_inputs, example_kwargs)
     check_max_shapes(model, max_shapes, (args, kwargs))
     refuse_inference(budget, unmeasured, args, kwargs)
@@ -135,6 +143,7 @@ def shape_planner(
     budget: Optional[Budget],
     loss_fn: Optional[Callable[[Any], Any]],
     max_shapes: Optional[Mapping[Any, Sequence[int]]],
+    rates: Any = None,
 ) -> ShapePlanner:
     """The planner of ``unmeasured``'s candidates, as ``policy`` allows it to checkpoint
     them."""
@@ -144,6 +153,8 @@ def shape_planner(
             f"{type(loss_fn).__name__} {loss_fn!r}."
         )
     check_max_shapes(model, max_shapes)
+    if rates is not None:
+        device_rates(torch.device("cpu"), rates)  # a bad name is refused now
     options = unmeasured.options
     context_fn = options.context_fn
     settings = PlanSettings(
@@ -156,73 +167,9 @@ def shape_planner(
         recompute=unmeasured.tier == "recompute",
         preserve_rng_state=options.preserve_rng_state,
         loss_fn=loss_fn,
+        rates=rates,
     )
     return ShapePlanner(settings, max_shapes=dict(max_shapes) if max_shapes else None)
-
-
-def check_max_shapes(model: nn.Module, max_shapes: Any, example: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]] = None) -> None:
-    """Refuse a ``max_shapes`` that cannot describe this model's inputs: not a mapping, a
-    key its forward does not take, a shape that is not positive whole sizes; with
-    ``example`` inputs, a key that is not one tensor of theirs or a shape of another rank.
-
-    Raises:
-        CheckpointConfigError: Naming the key and the value, and what is allowed.
-    """
-    if max_shapes is None:
-        return
-    if not isinstance(max_shapes, Mapping):
-        raise CheckpointConfigError(
-            f"max_shapes must map an input's keyword (or position, an int) to its largest "
-            f"shape, such as {{'input_ids': (8, 1024)}}; got {type(max_shapes).__name__}."
-        )
-    keywords, positions = _forward_parameters(model)
-    for key, shape in max_shapes.items():
-        if isinstance(key, bool) or not isinstance(key, (str, int)):
-            raise CheckpointConfigError(
-                f"max_shapes keys are the forward's keyword names or positions (ints); got "
-                f"{key!r} ({type(key).__name__})."
-            )
-        if isinstance(key, str) and keywords is not None and key not in keywords:
-            raise CheckpointConfigError(
-                f"max_shapes names {key!r}, which {type(model).__name__}.forward does not take; "
-                f"its arguments are {', '.join(sorted(keywords)) or 'none'}."
-            )
-        if isinstance(key, int) and (key < 0 or (positions is not None and key >= positions)):
-            raise CheckpointConfigError(
-                f"max_shapes names position {key}, but {type(model).__name__}.forward takes "
-                f"{positions} positional argument(s) (positions 0 to {max(0, (positions or 0) - 1)})."
-            )
-        sizes = tuple(shape) if isinstance(shape, (tuple, list, torch.Size)) else None
-        if not sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
-            raise CheckpointConfigError(
-                f"max_shapes[{key!r}] must be a shape of whole sizes of at least 1, such as "
-                f"(8, 1024); got {shape!r}."
-            )
-    if example is not None:
-        read_layout(*example).declared(max_shapes)
-
-
-def _forward_parameters(model: nn.Module) -> Tuple[Optional[Set[str]], Optional[int]]:
-    """The keyword names and the number of positional arguments the model's forward takes;
-    None for either where it takes any (``**kwargs``, ``*args``) or cannot be read."""
-    try:
-        signature = inspect.signature(model.forward)
-    except (TypeError, ValueError):
-        return None, None
-    kinds = inspect.Parameter
-    names: Optional[Set[str]] = set()
-    positions: Optional[int] = 0
-    for parameter in signature.parameters.values():
-        if parameter.kind is kinds.VAR_KEYWORD:
-            names = None
-        elif parameter.kind is kinds.VAR_POSITIONAL:
-            positions = None
-        else:
-            if names is not None and parameter.kind is not kinds.POSITIONAL_ONLY:
-                names.add(parameter.name)
-            if positions is not None and parameter.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD):
-                positions += 1
-    return names, positions
 
 
 def measured(unmeasured: Plan, choice: Choice, costs_from: str = "measured") -> Plan:
@@ -237,6 +184,7 @@ def measured(unmeasured: Plan, choice: Choice, costs_from: str = "measured") -> 
         predicted_peak=choice.predicted_peak,
         plain_peak=choice.plain_peak,
         costs_from=costs_from,
+        priced_at=choice.profile.priced_at if choice.profile is not None else None,
     )
 
 

@@ -63,6 +63,7 @@ def test_reentrant_policy(capsys):
         ([factory("plain_stack"), *SHAPE, "--policy", "bogus:1"], "bogus"),
         ([factory("plain_stack"), "--input-shape", "4,5"], "failed on inputs"),
         (["no_colon", *SHAPE], "expected MODULE:FACTORY"),
+        ([factory("plain_stack"), *SHAPE, "--device", "meta"], "nothing runs for real"),
     ],
 )
 def test_usage_errors_exit_2(capsys, argv, message):

@@ -61,6 +61,8 @@ LOOKUPS = [
     ("torch.utils.checkpoint", "_CachedTorchDispatchMode", lambda tp: tp.sac_modes is None),
     ("torch._C._autograd", "_profiler_enabled", lambda tp: tp.profiler_enabled() is True),
     ("torch.nn.modules.dropout", "_DropoutNd", lambda tp: nn.Dropout in tp.dropout_classes),
+    ("torch._subclasses.fake_tensor", "FakeTensor", lambda tp: tp.fake_tensor is None),
+    ("torch._subclasses.fake_tensor", "unset_fake_temporarily", lambda tp: tp.fake_tensor is None),
 ]
 
 

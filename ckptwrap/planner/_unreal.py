@@ -1,0 +1,214 @@
+"""Steps that allocate nothing real: a model on the meta device or made of fake tensors
+(``FakeTensorMode``), with example inputs the user declares.
+
+Such a step runs on fake tensors: every operator gives outputs of the sizes, strides and
+dtypes the device's own kernel gives (a fake kernel is its kernel's shape function), so
+what the recorder counts, storage by storage, is what a real step on that device
+allocates for them, without a byte of it. A model on the meta device runs with each
+meta parameter, buffer and input standing in as a fake tensor of its shape on the CPU
+for that one step (tied weights stay tied), then has its own back. No time means
+anything there: the step runs untimed and its times are priced from FLOPs and bytes
+(``_rates``). An operator that needs a tensor's values (``.item()``, a branch on a
+mask's content, ``nonzero``) cannot run without them: the step is refused, naming it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
+
+from .. import _torch_private
+from .._errors import CheckpointConfigError
+from ..measure import tensors
+from ._module_costs import ModelProfile
+from ._rates import device_rates, priced
+
+__all__ = ["measure_unreal", "outside_fake", "unreal"]
+
+_VALUES = ".item(), a branch on a tensor's content, nonzero, a loss whose size follows its targets"
+
+
+def unreal(model: nn.Module, args: Any, kwargs: Any, *, first_only: bool = False) -> Optional[str]:
+    """What makes a step of ``model`` on these inputs allocate nothing real, if anything:
+    a parameter, buffer or input on the meta device, or a fake tensor. With
+    ``first_only`` (a check before every training forward), only the model's first
+    parameter or buffer is looked at: a model is on the meta device or fake whole, and a
+    real model does not run on meta or fake inputs."""
+    own = itertools.chain(model.parameters(), model.buffers())
+    found = itertools.islice(own, 1) if first_only else itertools.chain(tensors((args, kwargs)), own)
+    for tensor in found:
+        if tensor.device.type == "meta":
+            return "it is on the meta device"
+        if _fake_mode(tensor) is not None:
+            return "it is made of fake tensors (FakeTensorMode)"
+    return None
+
+
+def outside_fake() -> Any:
+    """A context in which no fake mode is active: the planner's own arithmetic, when
+    ``plan`` is called inside the user's ``with FakeTensorMode():``."""
+    fake = _torch_private.fake_tensor
+    return contextlib.nullcontext() if fake is None else fake.outside()
+
+
+def measure_unreal(
+    measure: Callable[..., ModelProfile],
+    model: nn.Module,
+    args: Tuple[Any, ...],
+    kwargs: Dict[str, Any],
+    why: str,
+    rates: Any,
+) -> ModelProfile:
+    """``measure(model, args, kwargs)`` (one recorded step, untimed) run on fake tensors,
+    its times priced at ``rates`` (see :func:`~ckptwrap.planner.device_rates`)."""
+    fake = _torch_private.fake_tensor
+    if fake is None:
+        raise CheckpointConfigError(
+            f"ckptwrap cannot measure {type(model).__name__}'s training step: {why}, and this "
+            f"torch has no fake tensors to run it on (torch 2.1 or later has). Measure it on "
+            f"the device it trains on, with real inputs."
+        )
+    with _on_fake_tensors(model, args, kwargs, fake) as (mode, fake_args, fake_kwargs):
+        device = _step_device(model, fake_args, fake_kwargs)
+        rates_at = device_rates(device, rates)
+        dtype = _step_dtype(model, device)
+        try:
+            with mode, _RealWhereItCan(fake):
+                profile = measure(model, fake_args, fake_kwargs)
+        except CheckpointConfigError:
+            raise
+        except fake.data_dependent as error:
+            operator = getattr(error, "func", None) or type(error).__name__
+            raise CheckpointConfigError(
+                f"{type(model).__name__}'s training step cannot run on fake tensors ({why}): "
+                f"its forward or loss calls {operator}, whose result (or its shape) depends on "
+                f"values a fake tensor does not have ({_VALUES}). Give real inputs (tensors "
+                f"with values: they stay real, so code reading them runs), or measure on the "
+                f"device it trains on."
+            ) from None
+        except Exception as error:  # noqa: BLE001 - said with what ran it, then raised on
+            raise CheckpointConfigError(
+                f"{type(model).__name__}'s training step failed on fake tensors ({why}): "
+                f"{type(error).__name__}: {error}. An operator whose fake kernel differs from "
+                f"this device's (one that accepts other dtypes here) cannot be planned so; "
+                f"measure on the device it trains on."
+            ) from error
+    return priced(profile, rates_at, dtype)
+
+
+@contextlib.contextmanager
+def _on_fake_tensors(model: nn.Module, args: Any, kwargs: Any, fake: Any) -> Iterator[Tuple[Any, Any, Any]]:
+    """The fake mode of the step and its inputs as fake tensors; meanwhile every meta or
+    real parameter and buffer of ``model`` is a fake tensor of its own (put back after)."""
+    mode = _mode_of(itertools.chain(tensors((args, kwargs)), model.parameters(), model.buffers()))
+    if mode is None:
+        mode = fake.mode_class()
+    # Real inputs stay real (their values decide a mask's shortcut, a check on the
+    # labels), so the fake mode must take them beside its own tensors for the step.
+    allowed, mode.allow_non_fake_inputs = mode.allow_non_fake_inputs, True
+    made: Dict[int, torch.Tensor] = {}
+
+    def as_fake(tensor: torch.Tensor) -> torch.Tensor:
+        if _fake_mode(tensor) is not None:
+            return tensor
+        found = made.get(id(tensor))
+        if found is None:
+            found = _fake_of(tensor, mode)
+            made[id(tensor)] = found
+        return found
+
+    swapped: List[Tuple[Dict[str, Any], str, Any]] = []
+    try:
+        for module in model.modules():
+            for table in (module._parameters, module._buffers):
+                for name, value in table.items():
+                    if isinstance(value, torch.Tensor) and _fake_mode(value) is None:
+                        swapped.append((table, name, value))
+                        table[name] = as_fake(value)
+        fake_args, fake_kwargs = tree_map_only(
+            torch.Tensor, lambda t: as_fake(t) if t.device.type == "meta" else t, (args, kwargs)
+        )
+        yield mode, fake_args, fake_kwargs
+    finally:
+        for table, name, value in reversed(swapped):
+            table[name] = value
+        mode.allow_non_fake_inputs = allowed
+
+
+class _RealWhereItCan(TorchDispatchMode):
+    """Inside the fake mode: an operator none of whose inputs is fake (a check on the
+    real labels, a mask's own arithmetic) runs for real, and so does a factory whose output
+    is tiny (LayerDrop's ``torch.rand([])``), so that code that reads their values runs
+    as in a real step; everything else stays fake."""
+
+    def __init__(self, fake: Any) -> None:
+        super().__init__()
+        self._outside = fake.outside
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
+        kwargs = kwargs or {}
+        given = tensors((args, kwargs))
+        if any(_fake_mode(tensor) is not None for tensor in given):
+            return func(*args, **kwargs)
+        if not given:
+            out = func(*args, **kwargs)
+            if any(tensor.numel() > _TINY for tensor in tensors(out)):
+                return out
+        with self._outside():
+            return func(*args, **kwargs)
+
+
+_TINY = 1 << 16
+"""The most elements of a factory's output that is made for real inside a fake step."""
+
+
+def _fake_of(tensor: torch.Tensor, mode: Any) -> torch.Tensor:
+    """A fake stand-in for ``tensor``: of its device, or the CPU for a meta tensor."""
+    if tensor.device.type != "meta":
+        made = mode.from_tensor(tensor)
+    else:
+        with mode:
+            made = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
+    if isinstance(tensor, nn.Parameter):
+        return nn.Parameter(made, requires_grad=tensor.requires_grad)
+    if tensor.requires_grad and made.is_leaf and not made.requires_grad:
+        made.requires_grad_(True)
+    return made
+
+
+def _fake_mode(tensor: torch.Tensor) -> Any:
+    fake = _torch_private.fake_tensor
+    if fake is None or not isinstance(tensor, fake.tensor_class):
+        return None
+    return tensor.fake_mode
+
+
+def _mode_of(found: Iterator[torch.Tensor]) -> Any:
+    for tensor in found:
+        mode = _fake_mode(tensor)
+        if mode is not None:
+            return mode
+    return None
+
+
+def _step_device(model: nn.Module, args: Any, kwargs: Any) -> torch.device:
+    for tensor in itertools.chain(tensors((args, kwargs)), model.parameters(), model.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
+def _step_dtype(model: nn.Module, device: torch.device) -> torch.dtype:
+    """The dtype the step's arithmetic mostly runs in: autocast's where it is on, else the
+    first floating-point parameter's."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    for parameter in model.parameters():
+        if parameter.is_floating_point():
+            return parameter.dtype
+    return torch.float32
