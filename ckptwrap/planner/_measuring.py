@@ -89,6 +89,8 @@ class PlanSettings:
     """How a training step turns the output into the loss (see ``plan``)."""
     rates: Any = None
     """What a step run on fake tensors is priced at (``plan``'s ``device_rates``)."""
+    fake: bool = False
+    """Whether steps on given inputs run on fake tensors even for a real model."""
 
     @property
     def names(self) -> List[str]:

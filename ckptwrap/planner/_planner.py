@@ -276,6 +276,7 @@ class ShapePlanner:
                         model, _resolve_targets(model, settings.names), args, kwargs,
                         loss_fn=settings.loss_fn, save_policy=settings.save_policy,
                         preserve_rng_state=settings.preserve_rng_state, rates=settings.rates,
+                        fake=settings.fake,
                     )
                 costs.learn(sizes, profile)
                 self._measured += 1

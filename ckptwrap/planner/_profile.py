@@ -149,11 +149,12 @@ def measure_inputs(
     bar: Optional[ProgressBar] = None,
     train: bool = True,
     rates: Any = None,
+    fake: bool = False,
 ) -> ModelProfile:
     """One step on given inputs, measured (see :func:`profile_modules`); the model is left
     as it was. With ``train``, a model in eval mode is measured in train mode (dropout
-    on), as it will train. A model on the meta device or made of fake tensors runs on
-    fake tensors, its times priced at ``rates`` (``_unreal``).
+    on), as it will train. A model on the meta device or made of fake tensors, or any
+    with ``fake``, runs on fake tensors, its times priced at ``rates`` (``_unreal``).
 
     Raises:
         CheckpointConfigError: If the recording failed (it says why), or a step on fake
@@ -162,7 +163,7 @@ def measure_inputs(
     options = dict(
         loss_fn=loss_fn, save_policy=save_policy, preserve_rng_state=preserve_rng_state, bar=bar, train=train,
     )
-    why = unreal(model, args, kwargs)
+    why = unreal(model, args, kwargs) or ("planned on fake tensors, as asked" if fake else None)
     if why is not None:
         return measure_unreal(
             lambda *step: _measure(*step, targets, timed=False, **options), model, args, kwargs, why, rates,

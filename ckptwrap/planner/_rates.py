@@ -170,7 +170,7 @@ def cpu_rates() -> DeviceRates:
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
         flops[dtype] = 2 * size**3 / _best(lambda: torch.mm(a, b))
-    source = torch.empty(1 << 22)
+    source = torch.empty(1 << 21)  # 8 MiB: past the caches of most CPUs
     target = torch.empty_like(source)
     copy = _best(lambda: target.copy_(source))
     return DeviceRates("cpu", flops, 2 * source.numel() * source.element_size() / copy)

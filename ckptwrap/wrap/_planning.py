@@ -43,6 +43,7 @@ def plan(
     loss_fn: Optional[Callable[[Any], Any]] = None,
     max_shapes: Optional[Mapping[Any, Sequence[int]]] = None,
     device_rates: Any = None,
+    fake: bool = False,
     **options: Any,
 ) -> Plan:
     """What :func:`wrap_model` would do with these arguments, without changing ``model``.
@@ -78,6 +79,11 @@ def plan(
             name of ``ckptwrap.planner.DEVICE_RATES`` (``"h100-sxm"``, ``"a100-80gb"``...),
             ``"cpu"`` (this CPU's, measured), or a ``ckptwrap.planner.DeviceRates``. By
             default those of the fake tensors' device here.
+        fake: Plan from a step on fake tensors even for a real model: its parameters and
+            buffers stand in as fake tensors for that step, so nothing is allocated but
+            the inputs; for asking what a plan is at shapes too large to run here (give
+            inputs of that shape: real ones stay real). Bytes as a real step's; times
+            priced at ``device_rates``.
         **options: Engine options of :func:`ckptwrap.checkpoint`.
 
     Returns:
@@ -93,7 +99,7 @@ def plan(
     return plan_and_profile(
         model, policy, nested=nested, example_inputs=example_inputs,
         example_kwargs=example_kwargs, loss_fn=loss_fn, max_shapes=max_shapes,
-        device_rates=device_rates, **options,
+        device_rates=device_rates, fake=fake, **options,
     )[0]
 
 
@@ -108,6 +114,7 @@ def plan_and_profile(
     loss_fn: Optional[Callable[[Any], Any]] = None,
     max_shapes: Optional[Mapping[Any, Sequence[int]]] = None,
     device_rates: Any = None,
+    fake: bool = False,
     **options: Any,
 ) -> Tuple[Plan, Optional[ModelProfile]]:
     """:func:`plan`, and the profile its predictions come from (None when unmeasured).
@@ -126,7 +133,9 @@ def plan_and_profile(
             f"{type(model).__name__}; wrap_model without them measures on the first "
             f"training forward instead."
         )
-    planner = shape_planner(model, policy, unmeasured, budget, loss_fn, max_shapes, device_rates)
+    if not isinstance(fake, bool):
+        raise CheckpointConfigError(f"fake must be True or False, got {fake!r}")
+    planner = shape_planner(model, policy, unmeasured, budget, loss_fn, max_shapes, device_rates, fake)
     args, kwargs = as_example(example_inputs, example_kwargs)
     check_max_shapes(model, max_shapes, (args, kwargs))
     refuse_inference(budget, unmeasured, args, kwargs)
@@ -144,6 +153,7 @@ def shape_planner(
     loss_fn: Optional[Callable[[Any], Any]],
     max_shapes: Optional[Mapping[Any, Sequence[int]]],
     rates: Any = None,
+    fake: bool = False,
 ) -> ShapePlanner:
     """The planner of ``unmeasured``'s candidates, as ``policy`` allows it to checkpoint
     them."""
@@ -168,6 +178,7 @@ def shape_planner(
         preserve_rng_state=options.preserve_rng_state,
         loss_fn=loss_fn,
         rates=rates,
+        fake=fake,
     )
     return ShapePlanner(settings, max_shapes=dict(max_shapes) if max_shapes else None)
 

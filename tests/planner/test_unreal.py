@@ -256,3 +256,24 @@ def test_without_fake_tensors_a_meta_model_is_refused_naming_why(monkeypatch):
     monkeypatch.setattr(_torch_private, "fake_tensor", None)
     with pytest.raises(CheckpointConfigError, match="meta device, and this torch has no fake tensors"):
         ckptwrap.plan(_on_meta("gpt2"), "blocks", example_kwargs=_batch("gpt2"))
+
+
+def test_a_real_model_asked_at_a_larger_shape_is_planned_without_running_it():
+    """``fake=True``: the plan at a shape not run, from a step on fake tensors: the bytes
+    the real step there has, and almost nothing allocated to find them."""
+    arch = ARCHITECTURES["gpt2"]
+    model = arch.build()
+    parameters = [(name, p, p.detach().clone()) for name, p in model.named_parameters()]
+    large = arch.batch(8, arch.lengths[1], 0, True)
+    device_rates(torch.device("cpu"))  # measured once per process (two buffers of 8 MiB)
+    asked = []
+    allocated = allocator_peak(lambda: asked.append(ckptwrap.plan(model, "blocks", example_kwargs=large, fake=True)))
+    planned = asked[0]
+    real = ckptwrap.plan(arch.build(), "blocks", example_kwargs=large)
+    assert (planned.plain_peak, planned.predicted_peak) == (real.plain_peak, real.predicted_peak)
+    assert planned.priced_at == "cpu"
+    assert allocated < 0.1 * real.plain_peak, (allocated, real.plain_peak)
+    for (name, ours, before), (_, now) in zip(parameters, model.named_parameters()):
+        assert ours is now and torch.equal(ours, before) and ours.grad is None, name
+    with pytest.raises(CheckpointConfigError, match="fake must be True or False, got 'yes'"):
+        ckptwrap.plan(model, "blocks", example_kwargs=large, fake="yes")
