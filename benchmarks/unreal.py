@@ -1,5 +1,6 @@
 """Planning without the hardware: each architecture of the catalogue
-(``benchmarks/_architectures.py``) planned on the meta device from real example inputs,
+(``benchmarks/_architectures.py``, and the diffusers models of ``_diffusion.py`` where
+diffusers installs) planned on the meta device from real example inputs,
 beside the same model built for real and measured.
 
 Per architecture, on one padded batch (2 rows at its longest length):
@@ -34,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ckptwrap  # noqa: E402
 from _allocator import allocator_peak  # noqa: E402
 from _architectures import ARCHITECTURES, available  # noqa: E402
+from _diffusion import DIFFUSION, available as diffusion_available  # noqa: E402
 
 from ckptwrap.wrap._marks import apply_plan  # noqa: E402
 
@@ -62,7 +64,7 @@ def _budget_step(arch, model_made, batch) -> Tuple[Any, Any, int]:
 
 
 def _row(name: str) -> List[str]:
-    arch = ARCHITECTURES[name]
+    arch = ARCHITECTURES[name] if name in ARCHITECTURES else DIFFUSION[name]
     padded = arch.family in ("causal", "encoder", "encoder-decoder")
     batch = arch.batch(2, arch.lengths[1], 0, padded)
     start = time.perf_counter()
@@ -96,7 +98,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--markdown", help="also write the table as markdown to this file")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    names = args.only.split(",") if args.only else available()
+    names = args.only.split(",") if args.only else available() + diffusion_available()
     header = [
         "model", "family", "plain", "blocks", "budget keeps", "pred/meas", "real plan's pred/meas", "meta s",
         "real s", "",

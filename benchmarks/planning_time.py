@@ -1,0 +1,86 @@
+"""What planning costs at a realistic size, in plain training steps of the same model.
+
+GPT-2 124M (transformers' default GPT2Config, random weights) at 2 x 512 tokens, on the
+CPU: one plain training step (forward and backward, the faster of two after a warm-up),
+then, each beside it as a ratio:
+
+- ``plan(blocks)`` and ``plan(budget:50%)`` with example inputs (one measured step each);
+- ``plan(budget:50%)`` on the model built on the meta device (a step on fake tensors,
+  nothing allocated);
+- a lazy ``budget:50%``'s first training step (measured as it runs) and its second (solved).
+
+Target: planning within a few plain steps.
+
+    python benchmarks/planning_time.py [--rows 2] [--length 512] [--threads N] [--budget budget:50%]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+import warnings
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+import ckptwrap
+
+TARGET = 3.0
+"""The most plain steps any planning may take."""
+
+
+def _seconds(run: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=2)
+    parser.add_argument("--length", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--budget", default="budget:50%", help="the budget planned (default budget:50%%)")
+    args = parser.parse_args(argv)
+    import transformers
+
+    torch.set_num_threads(args.threads)
+    config = transformers.GPT2Config()
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).train()
+    ids = torch.randint(config.vocab_size, (args.rows, args.length), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+
+    def step(trained: torch.nn.Module) -> None:
+        out = trained(**batch)
+        out.loss.backward()
+        trained.zero_grad(set_to_none=True)
+
+    step(model)
+    plain = min(_seconds(lambda: step(model)), _seconds(lambda: step(model)))
+    with torch.device("meta"):
+        meta = transformers.GPT2LMHeadModel(config)
+    budget = args.budget
+    lazy = ckptwrap.wrap_model(copy.deepcopy(model), budget)
+    rows: List[Tuple[str, float]] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rows.append(("plan(blocks), example inputs", _seconds(lambda: ckptwrap.plan(model, "blocks", example_kwargs=batch))))
+        rows.append((f"plan({budget}), example inputs", _seconds(lambda: ckptwrap.plan(model, budget, example_kwargs=batch))))
+        rows.append((f"plan({budget}), meta device", _seconds(lambda: ckptwrap.plan(meta, budget, example_kwargs=batch))))
+        rows.append((f"lazy {budget}, first step (measured)", _seconds(lambda: step(lazy))))
+        rows.append((f"lazy {budget}, second step (solved)", _seconds(lambda: step(lazy))))
+    print(f"GPT-2 124M, {args.rows} x {args.length} tokens, {args.threads} threads: plain step {plain:.2f} s\n")
+    width = max(len(name) for name, _ in rows)
+    print(f"{'':{width}}  seconds  plain steps")
+    for name, seconds in rows:
+        print(f"{name:{width}}  {seconds:7.2f}  {seconds / plain:11.2f}")
+    worst = max(seconds / plain for _, seconds in rows[:4])
+    print(f"\ntarget (planning within {TARGET:.0f} plain steps): {'met' if worst <= TARGET else 'MISSED'} (worst {worst:.2f})")
+    return 0 if worst <= TARGET else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
