@@ -6,6 +6,7 @@ a factory, and making random inputs. Both ``plan`` (``ckptwrap.cli``) and ``doct
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -14,12 +15,12 @@ import re
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
-__all__ = ["DTYPES", "UsageError", "add_model_arguments", "prepare"]
+__all__ = ["DTYPES", "UsageError", "add_model_arguments", "build_model", "prepare"]
 
 DTYPES = {
     "float32": torch.float32,
@@ -45,7 +46,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, device_help: str) ->
         "factory",
         metavar="MODULE:FACTORY",
         help="an importable module (pkg.models) or a .py file, and a callable in it that "
-        "returns an nn.Module when called with no arguments",
+        "returns an nn.Module when called with no arguments; for plan, also hf:ConfigClass "
+        "or hf:path/config.json (transformers, nothing downloaded)",
     )
     parser.add_argument(
         "--input-shape",
@@ -70,12 +72,19 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, device_help: str) ->
     parser.add_argument("--seed", type=int, default=0, help="seed for the model and the inputs")
 
 
-def prepare(args: argparse.Namespace) -> Tuple[nn.Module, Tuple[torch.Tensor, ...], List[Tuple[int, ...]]]:
+def prepare(
+    args: argparse.Namespace,
+    build: Optional[Callable[[], nn.Module]] = None,
+    keyword: Optional[Callable[[nn.Module, torch.device], Dict[str, torch.Tensor]]] = None,
+) -> Tuple[nn.Module, Tuple[torch.Tensor, ...], Dict[str, torch.Tensor], List[Tuple[int, ...]]]:
     """The model in train mode on ``--device`` and its random inputs, from the flags of
     :func:`add_model_arguments`; the inputs have run through one forward already.
+    ``build`` makes the model instead of the factory; ``keyword(model, device)`` makes its
+    keyword inputs.
 
     Returns:
-        The model, its inputs (empty without ``--input-shape``) and their shapes.
+        The model, its positional inputs (empty without ``--input-shape``), its keyword
+        inputs and the positional inputs' shapes.
 
     Raises:
         UsageError: For a bad flag, a factory that cannot be loaded or called, or inputs
@@ -85,28 +94,35 @@ def prepare(args: argparse.Namespace) -> Tuple[nn.Module, Tuple[torch.Tensor, ..
     dtype = _input_dtype(args.input_dtype, args.input_high)
     device = _device(args.device)
     torch.manual_seed(args.seed)
+    make = build if build is not None else functools.partial(build_model, args.factory)
     if device.type == "meta":
         # Built there, nothing allocated; the inputs stay real, on the CPU, so that code
         # reading their values runs when the step is planned on fake tensors.
         with device:
-            model = _build_model(args.factory)
-        return model.train(), _make_inputs(shapes, dtype, args.input_high, torch.device("cpu"), args.seed), shapes
-    model = _build_model(args.factory)
+            model = make().train()
+        cpu = torch.device("cpu")
+        kwargs = keyword(model, cpu) if keyword is not None else {}
+        return model, _make_inputs(shapes, dtype, args.input_high, cpu, args.seed), kwargs, shapes
+    model = make()
     try:
         model.to(device)
     except (RuntimeError, AssertionError) as error:  # torch asserts on a missing backend
         raise UsageError(f"cannot move the model to --device {args.device}: {error}") from None
     model.train()  # what a training step keeps is what both commands look at
     inputs = _make_inputs(shapes, dtype, args.input_high, device, args.seed)
-    if inputs:
-        _try_forward(model, inputs)
-    return model, inputs, shapes
+    kwargs = keyword(model, device) if keyword is not None else {}
+    if inputs or kwargs:
+        _try_forward(model, inputs, kwargs)
+    return model, inputs, kwargs, shapes
 
 
 # --------------------------------------------------------------------------- the model
 
 
-def _build_model(spec: str) -> nn.Module:
+def build_model(spec: str) -> nn.Module:
+    """The model the factory ``MODULE:FACTORY`` returns."""
+    if spec.startswith("hf:"):
+        raise UsageError(f"{spec}: a model from a transformers configuration is built by the plan command only")
     factory = _load_factory(spec)
     try:
         inspect.signature(factory).bind()
@@ -233,19 +249,20 @@ def _make_inputs(
     return tuple(tensor.to(device) for tensor in made)
 
 
-def _try_forward(model: nn.Module, inputs: Tuple[torch.Tensor, ...]) -> None:
+def _try_forward(model: nn.Module, inputs: Tuple[torch.Tensor, ...], kwargs: Dict[str, torch.Tensor]) -> None:
     """Run one forward without autograd, so a wrong input shape or dtype reads as one line
     rather than as a traceback from deep inside the profiler or the doctor."""
     try:
         with torch.no_grad():
-            model(*inputs)
+            model(*inputs, **kwargs)
     except Exception as error:  # whatever the model raises on inputs it cannot take
         described = ", ".join(
-            f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in inputs
+            [f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in inputs]
+            + [f"{name}={tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for name, t in kwargs.items()]
         )
         first_line = (str(error).strip().splitlines() or [""])[0]
         raise UsageError(
             f"{type(model).__name__} failed on inputs {described}: "
-            f"{type(error).__name__}: {first_line} (check --input-shape, --input-dtype "
-            f"and --input-high)"
+            f"{type(error).__name__}: {first_line} (check --input-shape, --input, "
+            f"--input-dtype and --input-high)"
         ) from None

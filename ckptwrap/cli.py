@@ -8,14 +8,19 @@ between activation memory and recompute time (needs the ``plot`` extra, matplotl
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import json
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
-from ._cli_common import UsageError, add_model_arguments, prepare
+import torch
+from torch import nn
+
+from ._cli_common import DTYPES, UsageError, add_model_arguments, build_model, prepare
+from ._cli_models import CONFIG_PREFIX, build_from_config, keyword_inputs
 from ._errors import CheckpointError
 from ._frontier import Point, frontier_candidates, pareto_points
 from .diagnostics import main as doctor_main
@@ -64,15 +69,44 @@ def _build_parser() -> argparse.ArgumentParser:
         "plan",
         help="profile a model and print what a policy would checkpoint",
         description=(
-            "Build a model from a factory, profile it on random inputs and print the plan "
-            "of a policy. Example: %s plan examples/factories.py:gpt_small "
-            "--input-shape 8,128 --vocab 512 --policy budget:50%%" % _PROG
+            "Build a model from a factory or a transformers configuration, profile it on "
+            "random inputs and print the plan of a policy. Examples: %s plan "
+            "examples/factories.py:gpt_small --input-shape 8,128 --vocab 512 --policy "
+            "budget:50%%; %s plan hf:LlamaConfig --set num_hidden_layers=16 --input "
+            "input_ids=1,8192 --labels --dtype bfloat16 --device meta --device-rates h100-sxm"
+            % (_PROG, _PROG)
         ),
     )
     add_model_arguments(
         sub,
         device_help="device to profile on (default: cpu); meta builds the model there and plans "
         "it on fake tensors, allocating nothing",
+    )
+    sub.add_argument(
+        "--input",
+        action="append",
+        default=[],
+        metavar="NAME=N,N,...",
+        help="a keyword input of the forward and its shape, e.g. input_ids=1,8192 (ids drawn "
+        "below --vocab or the model's vocab_size; *mask ones); repeat for several",
+    )
+    sub.add_argument("--labels", action="store_true", help="labels: a copy of input_ids")
+    sub.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], help="the model's parameters' dtype"
+    )
+    sub.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="with hf:CONFIG, a field of the configuration (value read as JSON where it "
+        "parses), e.g. num_hidden_layers=16; repeat for several",
+    )
+    sub.add_argument(
+        "--model-class",
+        metavar="NAME",
+        help="with hf:CONFIG, the transformers class to build (default: the configuration's "
+        "first architecture, else AutoModelForCausalLM)",
     )
     sub.add_argument(
         "--device-rates",
@@ -101,7 +135,21 @@ def _run_plan(args: argparse.Namespace) -> int:
     figure = _figure_module(args.pareto) if args.pareto else None
     if args.pareto and not args.input_shape:
         raise UsageError("--pareto needs measured costs: give --input-shape")
-    model, inputs, shapes = prepare(args)
+    config = args.factory.startswith(CONFIG_PREFIX)
+    if (args.set or args.model_class) and not config:
+        raise UsageError("--set and --model-class build a model from hf:CONFIG; give hf:ConfigClass or hf:config.json")
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    build = None
+    if config:
+        build = functools.partial(build_from_config, args.factory, args.set, args.model_class, dtype)
+    elif dtype is not None:
+        build = functools.partial(_in_dtype, args.factory, dtype)
+    keyword = None
+    if args.input or args.labels:
+        keyword = functools.partial(_keyword_inputs, args)
+    model, inputs, kwargs, shapes = prepare(args, build, keyword)
+    if not inputs and not kwargs and config and "budget:" in args.policy:
+        raise UsageError("a budget is planned from measured costs: give --input NAME=N,N,... (and --labels)")
 
     # With --pareto, one profile of the frontier's candidates serves the plan and the
     # drawing, so that the legend shows what the table says.
@@ -117,6 +165,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         args.policy,
         nested=args.nested,
         example_inputs=inputs or None,
+        example_kwargs=kwargs or None,
         profile=frontier_profile,
         device_rates=args.device_rates,
         use_reentrant=args.use_reentrant,
@@ -194,3 +243,11 @@ def _draw(
         fig.savefig(path, dpi=120)
     except (OSError, ValueError) as error:  # unwritable file, unknown image format
         raise UsageError(f"cannot save --pareto {path!r}: {error}") from None
+
+
+def _in_dtype(factory: str, dtype: torch.dtype) -> nn.Module:
+    return build_model(factory).to(dtype)
+
+
+def _keyword_inputs(args: argparse.Namespace, model: nn.Module, device: torch.device) -> Dict[str, Any]:
+    return keyword_inputs(args.input, model, args.input_high, args.labels, args.seed, device)

@@ -19,6 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
+import ckptwrap
 from ckptwrap import cli
 from ckptwrap._errors import CheckpointConfigError
 from ckptwrap._frontier import frontier, pareto_points, reference_points
@@ -475,3 +476,80 @@ def test_unknown_device_rates_exit_2_naming_the_known_ones(capsys):
         capsys, f"{_HERE}:tiny_stack", "--input-shape", "4,32,16", "--device", "meta", "--device-rates", "tpu-v9"
     )
     assert code == 2 and "'h100-sxm'" in err and "'tpu-v9'" in err
+
+
+# --------------------------------------------------------------------------- from a configuration
+
+_LLAMA = [
+    "hf:LlamaConfig", "--set", "hidden_size=64", "--set", "intermediate_size=128", "--set", "num_hidden_layers=2",
+    "--set", "num_attention_heads=4", "--set", "num_key_value_heads=2", "--set", "vocab_size=128",
+]
+
+
+def _llama_in_python(dtype=torch.float32):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128,
+    )
+    return transformers.LlamaForCausalLM(config).to(dtype).train()
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_a_transformers_configuration_with_keyword_inputs_plans_as_in_python(capsys, device):
+    pytest.importorskip("transformers")
+    code, out, err = _run(
+        capsys, *_LLAMA, "--input", "input_ids=2,256", "--input", "attention_mask=2,256", "--labels",
+        "--policy", "budget:80%", "--device", device, "--json",
+    )
+    assert code == 0, err
+    planned = json.loads(out)
+    ids = torch.randint(128, (2, 256), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    expected = ckptwrap.plan(_llama_in_python(), "budget:80%", example_kwargs=batch)
+    assert planned["plain_peak"] == expected.plain_peak and planned["budget"] == expected.budget
+    assert planned["predicted_peak"] <= planned["budget"]
+    assert planned["priced_at"] == ("cpu" if device == "meta" else None)
+
+
+def test_a_configuration_file_and_a_dtype(capsys, tmp_path):
+    model = _llama_in_python()
+    model.config.to_json_file(tmp_path / "config.json")
+    code, out, err = _run(
+        capsys, f"hf:{tmp_path / 'config.json'}", "--input", "input_ids=1,128", "--labels", "--dtype", "bfloat16",
+        "--device", "meta", "--json",
+    )
+    assert code == 0, err
+    planned = json.loads(out)
+    ids = torch.randint(128, (1, 128), generator=torch.Generator().manual_seed(0))
+    expected = ckptwrap.plan(
+        _llama_in_python(torch.bfloat16), "blocks", example_kwargs={"input_ids": ids, "labels": ids.clone()}
+    )
+    assert [entry["name"] for entry in planned["selected"]] == expected.names
+    assert planned["plain_peak"] == expected.plain_peak
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ([*_LLAMA, "--set", "hiden_size=8"], "LlamaConfig has no such field; did you mean hidden_size"),
+        ([*_LLAMA, "--set", "hidden_size"], "expected KEY=VALUE"),
+        (["hf:LlamaConfg"], "not a transformers configuration class or a local .json file; did you mean LlamaConfig"),
+        ([*_LLAMA, "--model-class", "LlamaForTeleportation"], "transformers has no such class"),
+        ([*_LLAMA, "--input", "input_ids=2,x"], "expected NAME=N,N,..."),
+        ([*_LLAMA, "--input", "input_ids=2,8", "--input", "input_ids=2,8"], "given twice"),
+        ([*_LLAMA, "--labels"], "--labels copies input_ids"),
+        ([*_LLAMA, "--policy", "budget:50%"], "give --input NAME=N,N"),
+        ([f"{_HERE}:tiny_stack", "--set", "hidden_size=8"], "build a model from hf:CONFIG"),
+        (["hf:missing/config.json"], "no such configuration file"),
+    ],
+)
+def test_bad_configuration_flags_exit_2_naming_what_was_given(capsys, argv, message):
+    pytest.importorskip("transformers")
+    code, _, err = _run(capsys, *argv)
+    assert code == 2 and message in err, err
+
+
+def test_the_doctor_says_configurations_are_the_plan_commands(capsys):
+    assert cli.main(["doctor", "hf:LlamaConfig", "--input-shape", "2,8"]) == 2
+    assert "built by the plan command only" in capsys.readouterr().err

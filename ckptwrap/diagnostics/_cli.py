@@ -90,7 +90,7 @@ def _run(args: argparse.Namespace) -> int:
             "give the device the model trains on, or plan there without the hardware with "
             "'plan --device meta'"
         )
-    model, inputs, _ = prepare(args)
+    model, inputs, _, _ = prepare(args)
     if args.policy is not None:
         _wrap(model, args.policy, inputs, args.use_reentrant)
 

@@ -1,0 +1,151 @@
+"""Models built from a transformers configuration, and keyword inputs, for ``python -m
+ckptwrap plan``: ``hf:LlamaConfig`` (a configuration class, with ``--set key=value``
+overrides) or ``hf:path/config.json`` (a local file: nothing is downloaded), and
+``--input input_ids=1,8192`` for each keyword input of the forward.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from ._cli_common import UsageError
+
+__all__ = ["CONFIG_PREFIX", "build_from_config", "keyword_inputs"]
+
+CONFIG_PREFIX = "hf:"
+"""How the model argument names a transformers configuration rather than a factory."""
+
+
+def build_from_config(
+    spec: str, sets: Sequence[str], model_class: Optional[str], dtype: Optional[torch.dtype]
+) -> nn.Module:
+    """The model ``spec`` (``hf:ConfigClass`` or ``hf:path/config.json``) describes, with
+    ``sets`` (``key=value``, the value read as JSON where it parses) applied to its
+    configuration, as ``model_class`` (by default the configuration's first architecture,
+    else ``AutoModelForCausalLM``), in ``dtype``. Built under whatever device context is
+    in force (the meta device allocates nothing)."""
+    try:
+        import transformers
+    except ImportError:
+        raise UsageError(f"{spec} needs transformers: pip install transformers") from None
+    overrides = {}
+    for item in sets:
+        key, equals, text = item.partition("=")
+        key = key.strip()
+        if not equals or not key:
+            raise UsageError(f"bad --set {item!r}: expected KEY=VALUE, such as hidden_size=2048")
+        overrides[key] = _value(text)
+    # Given to the constructor, not set afterwards: fields derived there (head_dim from
+    # hidden_size) follow.
+    config = _config(transformers, spec[len(CONFIG_PREFIX):], overrides)
+    name = model_class or ((getattr(config, "architectures", None) or ["AutoModelForCausalLM"])[0])
+    cls = getattr(transformers, name, None)
+    if not isinstance(cls, type):
+        raise UsageError(f"--model-class {name}: transformers has no such class (e.g. LlamaForCausalLM)")
+    try:
+        model = cls.from_config(config) if name.startswith("Auto") else cls(config)
+    except (ValueError, TypeError, AttributeError) as error:
+        raise UsageError(f"cannot build {name} from {type(config).__name__}: {error}") from None
+    return model.to(dtype) if dtype is not None else model
+
+
+def _config(transformers: Any, target: str, overrides: Dict[str, Any]) -> Any:
+    path = Path(target)
+    if target.endswith(".json") or path.is_file():
+        if not path.is_file():
+            raise UsageError(f"no such configuration file: {target!r}")
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as error:
+            raise UsageError(f"cannot read {target!r} as JSON: {error}") from None
+        kind = data.get("model_type") if isinstance(data, dict) else None
+        mapping = transformers.CONFIG_MAPPING
+        if kind not in mapping:
+            raise UsageError(f"{target!r} names no model_type transformers knows (got {kind!r})")
+        cls = mapping[kind]
+        _known(cls, data, overrides)
+        return cls.from_dict({**data, **overrides})
+    cls = getattr(transformers, target, None)
+    if not (isinstance(cls, type) and issubclass(cls, transformers.PretrainedConfig)):
+        near = difflib.get_close_matches(target, [n for n in dir(transformers) if n.endswith("Config")], n=3)
+        hint = f"; did you mean {', '.join(near)}?" if near else ""
+        raise UsageError(
+            f"hf:{target}: not a transformers configuration class or a local .json file{hint}"
+        )
+    _known(cls, {}, overrides)
+    return cls(**overrides)
+
+
+def _known(cls: Any, data: Dict[str, Any], overrides: Dict[str, Any]) -> None:
+    """Refuse a key the configuration does not have (a typo would be kept silently)."""
+    fields = set(cls().to_dict()) | set(data)
+    for key in overrides:
+        if key not in fields:
+            near = difflib.get_close_matches(key, sorted(fields), n=3)
+            hint = f"; did you mean {', '.join(near)}?" if near else ""
+            raise UsageError(f"--set {key}: {cls.__name__} has no such field{hint}")
+
+
+def _value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text  # a bare word: a string field (hidden_act=silu)
+
+
+def keyword_inputs(
+    specs: Sequence[str], model: nn.Module, vocab: Optional[int], labels: bool, seed: int, device: torch.device
+) -> Dict[str, torch.Tensor]:
+    """The forward's keyword inputs ``--input NAME=N,N,...`` describe: masks of ones, token
+    type ids of zeros, position ids counting along the last axis, other ids and labels
+    drawn below ``vocab`` (by default the model's ``config.vocab_size``), anything else
+    drawn from a normal distribution in the model's floating-point dtype; with ``labels``,
+    ``labels`` a copy of ``input_ids``. Drawn on the CPU from a generator of its own (the
+    same on every device) and put on ``device``."""
+    generator = torch.Generator().manual_seed(seed)
+    made: Dict[str, torch.Tensor] = {}
+    for name, shape in _parsed(specs):
+        if name in made:
+            raise UsageError(f"--input {name} is given twice")
+        made[name] = _tensor(name, shape, model, vocab, generator)
+    if labels:
+        if "input_ids" not in made:
+            raise UsageError("--labels copies input_ids: give --input input_ids=N,N")
+        made.setdefault("labels", made["input_ids"].clone())
+    return {name: tensor.to(device) for name, tensor in made.items()}
+
+
+def _parsed(specs: Sequence[str]) -> List[Tuple[str, Tuple[int, ...]]]:
+    parsed = []
+    for spec in specs:
+        name, equals, shape = spec.partition("=")
+        parts = [part.strip() for part in shape.split(",")]
+        if not equals or not name.strip().isidentifier() or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise UsageError(
+                f"bad --input {spec!r}: expected NAME=N,N,..., a keyword of the forward and a "
+                f"shape of positive integers, such as input_ids=1,8192"
+            )
+        parsed.append((name.strip(), tuple(int(part) for part in parts)))
+    return parsed
+
+
+def _tensor(name: str, shape: Tuple[int, ...], model: nn.Module, vocab: Optional[int], generator: torch.Generator) -> torch.Tensor:
+    if name.endswith("mask"):
+        return torch.ones(shape, dtype=torch.long)
+    if name == "token_type_ids":
+        return torch.zeros(shape, dtype=torch.long)
+    if name == "position_ids":
+        return torch.arange(shape[-1]).expand(shape).contiguous()
+    if name.endswith("ids") or name == "labels":
+        high = vocab or getattr(getattr(model, "config", None), "vocab_size", None)
+        if not high:
+            raise UsageError(f"--input {name}: ids need --vocab N (the model has no config.vocab_size)")
+        return torch.randint(int(high), shape, generator=generator)
+    floating = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return torch.randn(shape, generator=generator).to(floating)
