@@ -1,0 +1,111 @@
+"""Peaks of models too large to run here: ckptwrap's plan made on the meta device against
+torch's ``MemTracker`` run over the same training step on fake tensors.
+
+Llama 3.2 1B-shaped and Llama 2 7B-shaped configurations (transformers' ``LlamaConfig``,
+random weights, nothing downloaded), one sequence of 4096 or 8192 tokens, bfloat16 and
+float32: the step peak above the parameters and buffers (activations, gradients of
+activations, parameter gradients, the loss) with nothing checkpointed and under
+``blocks``. ckptwrap predicts it from one step on fake tensors (``plan`` on the meta
+device); ``MemTracker`` follows every fake allocation of the step (with ``blocks``
+applied by ``wrap_model``) and gives its peak, less the parameters and buffers it counts
+too. Target: within 2%.
+
+    python benchmarks/against_memtracker.py [--only llama-1b] [--lengths 4096,8192] [--dtypes bfloat16,float32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import warnings
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+import ckptwrap
+
+CONFIGS: Dict[str, Dict[str, int]] = {
+    "llama-1b": dict(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256,
+    ),
+    "llama-7b": dict(),  # LlamaConfig's defaults: 32 layers of width 4096
+}
+TARGET = 0.02
+
+
+def _build(config, dtype: torch.dtype):
+    import transformers
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        return transformers.LlamaForCausalLM(config).train()
+    finally:
+        torch.set_default_dtype(default)
+
+
+def _memtracker(config, dtype: torch.dtype, ids: torch.Tensor, policy: str) -> int:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    with FakeTensorMode() as mode:
+        model = _build(config, dtype)
+        if policy != "none":
+            ckptwrap.wrap_model(model, policy)
+        held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+        tracker = MemTracker()
+        tracker.track_external(model)
+        fake_ids = mode.from_tensor(ids)
+        with tracker:
+            out = model(input_ids=fake_ids, labels=fake_ids)
+            out.loss.backward()
+        peaks = tracker.get_tracker_snapshot("peak")
+    return next(value["Total"] for device, value in peaks.items() if device.type == "cpu") - held
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="comma-separated of " + ", ".join(CONFIGS))
+    parser.add_argument("--lengths", default="4096,8192")
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    args = parser.parse_args(argv)
+    import transformers
+
+    rows: List[List[str]] = []
+    worst = 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in args.only.split(",") if args.only else CONFIGS:
+            config = transformers.LlamaConfig(**CONFIGS[name])
+            for length in (int(text) for text in args.lengths.split(",")):
+                ids = torch.randint(config.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
+                for dtype_name in args.dtypes.split(","):
+                    dtype = getattr(torch, dtype_name)
+                    with torch.device("meta"):
+                        meta = _build(config, dtype)
+                    for policy in ("none", "blocks"):
+                        start = time.perf_counter()
+                        plan = ckptwrap.plan(meta, policy, example_kwargs={"input_ids": ids, "labels": ids})
+                        ours_s = time.perf_counter() - start
+                        ours = plan.plain_peak if policy == "none" else plan.predicted_peak
+                        start = time.perf_counter()
+                        theirs = _memtracker(config, dtype, ids, policy)
+                        theirs_s = time.perf_counter() - start
+                        worst = max(worst, abs(ours / theirs - 1))
+                        rows.append([
+                            name, str(length), dtype_name, policy, f"{ours / 2**30:.2f}", f"{theirs / 2**30:.2f}",
+                            f"{ours / theirs - 1:+.2%}", f"{ours_s:.1f}", f"{theirs_s:.1f}",
+                        ])
+                        print("  ".join(rows[-1]), flush=True)
+    header = ["model", "tokens", "dtype", "policy", "ckptwrap GiB", "MemTracker GiB", "difference", "ckptwrap s", "MemTracker s"]
+    print("\n| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    print(f"\ntarget (within {TARGET:.0%} of MemTracker): {'met' if worst <= TARGET else 'MISSED'} (worst {worst:.2%})")
+    return 0 if worst <= TARGET else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
