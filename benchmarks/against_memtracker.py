@@ -35,7 +35,8 @@ CONFIGS: Dict[str, Dict[str, int]] = {
 TARGET = 0.02
 
 
-def _build(config, dtype: torch.dtype):
+def build(config, dtype: torch.dtype):
+    """A ``LlamaForCausalLM`` of ``config`` made in ``dtype`` (under whatever device or fake mode is in force)."""
     import transformers
 
     default = torch.get_default_dtype()
@@ -46,12 +47,14 @@ def _build(config, dtype: torch.dtype):
         torch.set_default_dtype(default)
 
 
-def _memtracker(config, dtype: torch.dtype, ids: torch.Tensor, policy: str) -> int:
+def memtracker_peak(config, dtype: torch.dtype, ids: torch.Tensor, policy: str) -> int:
+    """MemTracker's peak of one training step of a ``LlamaForCausalLM`` on fake tensors,
+    less the parameters and buffers, under ``policy`` applied by ``wrap_model``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
     with FakeTensorMode() as mode:
-        model = _build(config, dtype)
+        model = build(config, dtype)
         if policy != "none":
             ckptwrap.wrap_model(model, policy)
         held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
@@ -84,14 +87,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 for dtype_name in args.dtypes.split(","):
                     dtype = getattr(torch, dtype_name)
                     with torch.device("meta"):
-                        meta = _build(config, dtype)
+                        meta = build(config, dtype)
                     for policy in ("none", "blocks"):
                         start = time.perf_counter()
                         plan = ckptwrap.plan(meta, policy, example_kwargs={"input_ids": ids, "labels": ids})
                         ours_s = time.perf_counter() - start
                         ours = plan.plain_peak if policy == "none" else plan.predicted_peak
                         start = time.perf_counter()
-                        theirs = _memtracker(config, dtype, ids, policy)
+                        theirs = memtracker_peak(config, dtype, ids, policy)
                         theirs_s = time.perf_counter() - start
                         worst = max(worst, abs(ours / theirs - 1))
                         rows.append([

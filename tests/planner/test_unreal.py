@@ -284,7 +284,9 @@ def test_the_peaks_agree_with_torchs_memtracker_on_fake_tensors(dtype):
     """torch's ``MemTracker`` run over a plain and a ``blocks`` step on fake tensors (an
     independent meter): its peak above the parameters and buffers is the peak ckptwrap
     predicts from the meta device."""
-    mem_tracker = pytest.importorskip("torch.distributed._tools.mem_tracker")
+    pytest.importorskip("torch.distributed._tools.mem_tracker")
+    from against_memtracker import build, memtracker_peak
+
     config = transformers.LlamaConfig(
         vocab_size=1024, hidden_size=256, intermediate_size=688, num_hidden_layers=3,
         num_attention_heads=8, num_key_value_heads=4,
@@ -292,28 +294,11 @@ def test_the_peaks_agree_with_torchs_memtracker_on_fake_tensors(dtype):
     ids = torch.randint(0, 1024, (2, 512), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "labels": ids}
     with torch.device("meta"):
-        meta = transformers.LlamaForCausalLM(config).to(dtype)
+        meta = build(config, dtype)
     ours = {
         "none": ckptwrap.plan(meta, "none", example_kwargs=batch).plain_peak,
         "blocks": ckptwrap.plan(meta, "blocks", example_kwargs=batch).predicted_peak,
     }
     for policy, predicted in ours.items():
-        with FakeTensorMode() as mode:
-            default = torch.get_default_dtype()
-            torch.set_default_dtype(dtype)
-            try:
-                model = transformers.LlamaForCausalLM(config).train()
-            finally:
-                torch.set_default_dtype(default)
-            if policy == "blocks":
-                ckptwrap.wrap_model(model, "blocks")
-            held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-            tracker = mem_tracker.MemTracker()
-            tracker.track_external(model)
-            fake_ids = mode.from_tensor(ids)
-            with tracker:
-                out = model(input_ids=fake_ids, labels=fake_ids)
-                out.loss.backward()
-            peaks = tracker.get_tracker_snapshot("peak")
-        theirs = next(value["Total"] for device, value in peaks.items() if device.type == "cpu") - held
+        theirs = memtracker_peak(config, dtype, ids, policy)
         assert abs(predicted - theirs) <= 0.01 * theirs, (policy, predicted, theirs)
