@@ -1,13 +1,6 @@
-"""What a device computes and moves per second: the rates a step that ran on fake tensors
-(or on the meta device) is priced at, since nothing ran there to time.
-
-A fake step gives every operator's FLOPs (``torch.utils.flop_counter``'s count) and the
-bytes it created; an operator is priced at ``flops / flops_per_second[dtype] +
-2 * bytes / bytes_per_second`` (its outputs written once and read once at least; its
-inputs' reads are another operator's outputs' reads). The table holds each accelerator's
-dense peak rates from its maker's datasheet (no sparsity): a priced time is what the step
-would take at peak, a lower bound of the real one, and alike for every plan, so it ranks
-plans as measured times do. The CPU's rates are measured here, once per process.
+"""What a device computes and moves per second: the rates at which a step run on fake
+tensors (where no time means anything) is priced, from its operators' FLOPs and bytes.
+Accelerators' dense peak rates come from a table; the CPU's are measured here.
 """
 
 from __future__ import annotations
@@ -188,9 +181,12 @@ def _best(run: Any, repeats: int = 5) -> float:
 
 def priced(profile: ModelProfile, rates: DeviceRates, dtype: torch.dtype) -> ModelProfile:
     """``profile`` with its candidates' and operators' times priced at ``rates`` from
-    their FLOPs and bytes: the profile of a step that ran on fake tensors, whose measured
-    times mean nothing. A selective recomputation is priced as the whole forward (an upper
-    bound); the step's phases keep no seconds (nothing uses them to plan)."""
+    their FLOPs and bytes: ``flops / flops_per_second[dtype] + 2 * bytes created /
+    bytes_per_second`` (an output written once and read once at least), at dense peak
+    rates, so a priced time is a lower bound, alike for every plan: the profile of a step
+    that ran on fake tensors, whose measured times mean nothing. A selective recomputation
+    is priced as the whole forward (an upper bound); the step's phases keep no seconds
+    (nothing uses them to plan)."""
 
     def op(cost: OpCost) -> OpCost:
         return dataclasses.replace(cost, time=rates.seconds(cost.flops, cost.bytes, dtype))

@@ -1,15 +1,7 @@
 """Steps that allocate nothing real: a model on the meta device or made of fake tensors
-(``FakeTensorMode``), with example inputs the user declares.
-
-Such a step runs on fake tensors: every operator gives outputs of the sizes, strides and
-dtypes the device's own kernel gives (a fake kernel is its kernel's shape function), so
-what the recorder counts, storage by storage, is what a real step on that device
-allocates for them, without a byte of it. A model on the meta device runs with each
-meta parameter, buffer and input standing in as a fake tensor of its shape on the CPU
-for that one step (tied weights stay tied), then has its own back. No time means
-anything there: the step runs untimed and its times are priced from FLOPs and bytes
-(``_rates``). An operator that needs a tensor's values (``.item()``, a branch on a
-mask's content, ``nonzero``) cannot run without them: the step is refused, naming it.
+(``FakeTensorMode``), or any model asked to, is measured from one step on fake tensors,
+whose storages have the sizes the device's kernels give; real inputs stay real, and an
+operator that needs a tensor's values is refused, named. Times are priced (``_rates``).
 """
 
 from __future__ import annotations
@@ -66,7 +58,17 @@ def measure_unreal(
     rates: Any,
 ) -> ModelProfile:
     """``measure(model, args, kwargs)`` (one recorded step, untimed) run on fake tensors,
-    its times priced at ``rates`` (see :func:`~ckptwrap.planner.device_rates`)."""
+    its times priced at ``rates`` (see :func:`~ckptwrap.planner.device_rates`).
+
+    Each meta (or real) parameter, buffer and meta input stands in as a fake tensor of its
+    shape for that one step (on the CPU for a meta one; tied weights stay tied), and the
+    model has its own back after. A fake operator gives the sizes, strides and dtypes its
+    kernel gives, so what the recorder counts is what a real step allocates.
+
+    Raises:
+        CheckpointConfigError: This torch has no fake tensors; or the step needs a
+            tensor's values, or failed on fake tensors (said with the operator or error).
+    """
     fake = _torch_private.fake_tensor
     if fake is None:
         raise CheckpointConfigError(
