@@ -4,7 +4,7 @@ findings; the gradient comparison lives in ``_gradients``, the DDP check in ``_d
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Set
+from typing import Dict, Iterable, List, Optional, Set
 
 import torch
 from torch import nn
@@ -132,10 +132,7 @@ def check_code_checkpointing(model: nn.Module, regions: List[Region], prefix: st
     by_code = code_units(list(model.named_modules()))
     findings = []
     for region in regions:
-        overlaps = [
-            unit for unit in by_code
-            if unit == region.name or _inside_any(unit, [region.name]) or _inside_any(region.name, [unit])
-        ]
+        overlaps = _overlapping(by_code, region.name)
         if not overlaps:
             continue
         name = display(prefix, region.name)
@@ -162,10 +159,7 @@ def check_transformers_checkpointing(
     flagged = [name for name, module in modules.items() if checkpointing_on(module)]
     findings = []
     for region in regions:
-        overlaps = [
-            name for name in flagged
-            if name == region.name or _inside_any(name, [region.name]) or _inside_any(region.name, [name])
-        ]
+        overlaps = _overlapping(flagged, region.name)
         if not overlaps:
             continue
         name = display(prefix, region.name)
@@ -225,6 +219,11 @@ def _called_parts(region: Region, called: Set[str]) -> List[str]:
         if name != region.name and name in called and not _inside_any(name, parts):
             parts.append(name)
     return parts
+
+
+def _overlapping(names: Iterable[str], region: str) -> List[str]:
+    """Those of ``names`` that are the region's module, inside it or around it."""
+    return [name for name in names if name == region or _inside_any(name, [region]) or _inside_any(region, [name])]
 
 
 def _inside_any(name: str, outer: List[str]) -> bool:

@@ -20,9 +20,9 @@ from ._measuring import PlanSettings, is_measuring, region_bytes
 from ._planner import Decision, ShapePlanner
 from ._recorder import StepRecorder
 from ._module_costs import ModelProfile, ModuleCost
-from ._profile import profile_modules, step_device
+from ._profile import profile_modules
 from ._rates import DEVICE_RATES, DeviceRates, device_rates
-from ._unreal import outside_fake, unreal
+from ._unreal import outside_fake, step_device, unreal
 from ._solver import (
     BudgetSolution,
     PercentBudget,

@@ -36,11 +36,11 @@ from ._decision import Decision
 from ._measuring import LayoutCosts, Layouts, PlanSettings, measuring, region_bytes
 from ._module_costs import ModelProfile
 from ._plan import BOUNDS
-from ._profile import _resolve_targets, measure_inputs, step_device
+from ._profile import _resolve_targets, measure_inputs
 from ._schedule import CheckSchedule
 from ._solver import resolve_budget
 from ._timing import dispatch_cost, selective_cost
-from ._unreal import outside_fake
+from ._unreal import outside_fake, step_device
 
 __all__ = ["Decision", "ShapePlanner"]
 

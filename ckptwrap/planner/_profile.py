@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import itertools
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -28,9 +27,9 @@ from ._module_costs import ModelProfile
 from ._progress import ProgressBar, should_show
 from ._recorder import StepRecorder
 from ._timing import RngState
-from ._unreal import measure_unreal, unreal
+from ._unreal import measure_unreal, step_device, unreal
 
-__all__ = ["measure_inputs", "profile_modules", "step_device"]
+__all__ = ["measure_inputs", "profile_modules"]
 
 
 def profile_modules(
@@ -306,17 +305,6 @@ def _leaves(roots: List[torch.Tensor]) -> List[torch.Tensor]:
     """The leaf tensors whose ``.grad`` a backward from ``roots`` accumulates into."""
     found = (getattr(node, "variable", None) for node in graph_nodes(roots))
     return list({id(t): t for t in found if isinstance(t, torch.Tensor)}.values())
-
-
-def step_device(model: nn.Module, args: Any, kwargs: Any) -> torch.device:
-    """The device the step allocates on: that of the first accelerator tensor among the
-    inputs, else the model's first parameter's (or buffer's), else the CPU."""
-    for tensor in tensors((args, kwargs)):
-        if tensor.device.type not in ("cpu", "meta"):
-            return tensor.device
-    for tensor in itertools.chain(model.parameters(), model.buffers()):
-        return tensor.device if tensor.device.type != "meta" else torch.device("cpu")
-    return torch.device("cpu")
 
 
 def _resolve_targets(model: nn.Module, names: Sequence[str]) -> List[Tuple[str, nn.Module]]:

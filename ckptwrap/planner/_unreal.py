@@ -1,7 +1,8 @@
-"""Steps that allocate nothing real: a model on the meta device or made of fake tensors
-(``FakeTensorMode``), or any model asked to, is measured from one step on fake tensors,
-whose storages have the sizes the device's kernels give; real inputs stay real, and an
-operator that needs a tensor's values is refused, named. Times are priced (``_rates``).
+"""Where a step allocates (``step_device``), and steps that allocate nothing real: a
+model on the meta device or made of fake tensors (``FakeTensorMode``), or any model asked
+to, is measured from one step on fake tensors, whose storages have the sizes the device's
+kernels give; real inputs stay real, and an operator that needs a tensor's values is
+refused, named. Times are priced (``_rates``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from ..measure import tensors
 from ._module_costs import ModelProfile
 from ._rates import device_rates, priced
 
-__all__ = ["measure_unreal", "outside_fake", "unreal"]
+__all__ = ["measure_unreal", "outside_fake", "step_device", "unreal"]
 
 _VALUES = ".item(), a branch on a tensor's content, nonzero, a loss whose size follows its targets"
 
@@ -77,7 +78,7 @@ def measure_unreal(
             f"the device it trains on, with real inputs."
         )
     with _on_fake_tensors(model, args, kwargs, fake) as (mode, fake_args, fake_kwargs):
-        device = _step_device(model, fake_args, fake_kwargs)
+        device = step_device(model, fake_args, fake_kwargs)
         rates_at = device_rates(device, rates)
         dtype = _step_dtype(model, device)
         try:
@@ -199,9 +200,14 @@ def _mode_of(found: Iterator[torch.Tensor]) -> Any:
     return None
 
 
-def _step_device(model: nn.Module, args: Any, kwargs: Any) -> torch.device:
-    for tensor in itertools.chain(tensors((args, kwargs)), model.parameters(), model.buffers()):
-        return tensor.device
+def step_device(model: nn.Module, args: Any, kwargs: Any) -> torch.device:
+    """The device the step allocates on: that of the first accelerator tensor among the
+    inputs, else the model's first parameter's (or buffer's), else the CPU."""
+    for tensor in tensors((args, kwargs)):
+        if tensor.device.type not in ("cpu", "meta"):
+            return tensor.device
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        return tensor.device if tensor.device.type != "meta" else torch.device("cpu")
     return torch.device("cpu")
 
 

@@ -127,10 +127,11 @@ class PlanPerShape:
         if not self.__dict__.get("_said_unreal", False):
             self._said_unreal = True
             warn(
-                f"{type(model).__name__}: a training forward ran where {why}: ckptwrap measures "
-                f"nothing there (nothing is allocated, other kernels run), so this step runs "
-                f"under the plan of least memory, unplanned; the budget plans from the first "
-                f"training steps on the device the model trains on."
+                f"{type(model).__name__}: a training forward ran where {why}: nothing is "
+                f"allocated there to measure, so this step runs under the plan of least memory, "
+                f"unplanned; the budget plans from the first training steps on the device the "
+                f"model trains on (or now, from a step on fake tensors, if wrap_model is given "
+                f"example inputs)."
             )
 
     def _follow(self, step: "FollowedStep") -> None:
