@@ -25,3 +25,7 @@ class CheckpointError(_torch_checkpoint.CheckpointError):
 
 class CheckpointConfigError(CheckpointError, ValueError):
     """Raised for an argument or option that is not allowed; the message names what was passed."""
+
+    needed: Optional[int] = None
+    """For a budget no plan reaches: the least budget, in bytes, that one would (for a
+    budget in a device's terms, the device's memory), else None."""

@@ -21,10 +21,11 @@ from torch import nn
 
 from ._cli_common import DTYPES, UsageError, add_model_arguments, build_model, prepare
 from ._cli_models import CONFIG_PREFIX, build_from_config, keyword_inputs
-from ._errors import CheckpointError
+from ._errors import CheckpointConfigError, CheckpointError
 from ._frontier import Point, frontier_candidates, pareto_points
 from .diagnostics import main as doctor_main
-from .planner import profile_modules
+from .planner import OPTIMIZERS, profile_modules
+from .policy import Budget
 from .wrap import Plan, plan_and_profile
 
 __all__ = ["main"]
@@ -114,6 +115,19 @@ def _build_parser() -> argparse.ArgumentParser:
         help="with --device meta, the device whose rates price the step's times (h100-sxm, "
         "a100-80gb, l4, ... or cpu; default: cpu)",
     )
+    sub.add_argument(
+        "--device-memory",
+        metavar="SIZE",
+        help="the whole device's memory, e.g. 80GiB (or 'device': the device's free memory "
+        "now, or with --device meta --device-rates' device's, less 5%%): the policy's modules "
+        "are chosen by budget:total=SIZE so that parameters, optimizer state, the step and the "
+        "optimizer's step fit; prints whether it fits and each part",
+    )
+    sub.add_argument(
+        "--optimizer",
+        choices=sorted(OPTIMIZERS),
+        help="the optimizer whose state and step count in the device's memory (default: none counted)",
+    )
     sub.add_argument("--policy", default="blocks", help="policy string (default: blocks)")
     sub.add_argument(
         "--use-reentrant", action="store_true", help="plan for the re-entrant engine"
@@ -147,8 +161,9 @@ def _run_plan(args: argparse.Namespace) -> int:
     keyword = None
     if args.input or args.labels:
         keyword = functools.partial(_keyword_inputs, args)
+    policy = _with_device_memory(args.policy, args.device_memory)
     model, inputs, kwargs, shapes = prepare(args, build, keyword)
-    if not inputs and not kwargs and config and "budget:" in args.policy:
+    if not inputs and not kwargs and config and "budget:" in policy:
         raise UsageError("a budget is planned from measured costs: give --input NAME=N,N,... (and --labels)")
 
     # With --pareto, one profile of the frontier's candidates serves the plan and the
@@ -160,16 +175,25 @@ def _run_plan(args: argparse.Namespace) -> int:
         if figure is not None
         else None
     )
-    result, _ = plan_and_profile(
-        model,
-        args.policy,
-        nested=args.nested,
-        example_inputs=inputs or None,
-        example_kwargs=kwargs or None,
-        profile=frontier_profile,
-        device_rates=args.device_rates,
-        use_reentrant=args.use_reentrant,
-    )
+    try:
+        result, _ = plan_and_profile(
+            model,
+            policy,
+            nested=args.nested,
+            example_inputs=inputs or None,
+            example_kwargs=kwargs or None,
+            profile=frontier_profile,
+            device_rates=args.device_rates,
+            optimizer=args.optimizer,
+            use_reentrant=args.use_reentrant,
+        )
+    except CheckpointConfigError as error:
+        if args.device_memory is None or error.needed is None:
+            raise
+        # The answer to "does it fit?" is no: said as the answer, not as a usage error.
+        answer = {"fits": False, "needed_bytes": error.needed, "why": str(error)}
+        print(json.dumps(answer, indent=2) if args.json else f"does NOT fit: {error}")
+        return 1
     print(json.dumps(result.to_dict(), indent=2) if args.json else result)
     if figure is not None:
         line, references = pareto_points(
@@ -184,6 +208,20 @@ def _run_plan(args: argparse.Namespace) -> int:
             file=sys.stderr if args.json else sys.stdout,
         )
     return 0
+
+
+def _with_device_memory(policy: str, memory: Optional[str]) -> str:
+    """``policy`` with ``budget:total=SIZE`` (or ``budget:device``) for ``--device-memory``."""
+    if memory is None:
+        return policy
+    if "budget:" in policy.replace(" ", ""):
+        raise UsageError(
+            f"--device-memory {memory} is a budget, and --policy {policy!r} has one already: "
+            f"give one of them (budget:total=SIZE in the policy is --device-memory SIZE)"
+        )
+    term = "budget:device" if memory.strip().lower() == "device" else f"budget:total={memory.strip()}"
+    Budget(term[len("budget:"):])  # a malformed size is refused now, named
+    return f"{policy};{term}"
 
 
 def _with_plan_point(references: List[Point], result: Plan) -> List[Point]:

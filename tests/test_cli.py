@@ -553,3 +553,68 @@ def test_bad_configuration_flags_exit_2_naming_what_was_given(capsys, argv, mess
 def test_the_doctor_says_configurations_are_the_plan_commands(capsys):
     assert cli.main(["doctor", "hf:LlamaConfig", "--input-shape", "2,8"]) == 2
     assert "built by the plan command only" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- the device's memory
+
+
+def test_device_memory_and_an_optimizer_answer_whether_it_fits_as_in_python(capsys):
+    """``--device-memory`` is ``budget:total=SIZE`` among the policy's modules; the JSON
+    carries each part and the device's peak, equal to the plan made in Python."""
+    pytest.importorskip("transformers")
+    ids = torch.randint(128, (2, 256), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    blocks = ckptwrap.plan(_llama_in_python(), "blocks", example_kwargs=batch, optimizer="adamw")
+    between = blocks.device_memory.whole_peak((blocks.predicted_peak + blocks.plain_peak) // 2)
+    code, out, err = _run(
+        capsys, *_LLAMA, "--input", "input_ids=2,256", "--labels", "--device-memory", f"{between}B",
+        "--optimizer", "adamw", "--json",
+    )
+    assert code == 0, err
+    planned = json.loads(out)
+    expected = ckptwrap.plan(
+        _llama_in_python(), f"blocks;budget:total={between}B", example_kwargs=batch, optimizer="adamw"
+    )
+    assert planned["policy"] == expected.policy == f"blocks;budget:total={between}B"
+    assert planned["device_peak"] == expected.device_peak <= between
+    memory = planned["device_memory"]
+    assert memory["optimizer"] == "AdamW" and memory["optimizer_state"] == 2 * memory["gradients"]
+    assert memory["total"] == between
+    code, out, err = _run(
+        capsys, *_LLAMA, "--input", "input_ids=2,256", "--labels", "--device-memory", f"{between}B",
+        "--optimizer", "adamw",
+    )
+    assert code == 0 and "fits in" in out and "optimizer state (AdamW)" in out, out
+
+
+def test_a_device_too_small_exits_1_saying_what_it_needs(capsys):
+    pytest.importorskip("transformers")
+    argv = [*_LLAMA, "--input", "input_ids=2,256", "--labels", "--device-memory", "1MiB", "--optimizer", "adamw"]
+    code, out, err = _run(capsys, *argv, "--json")
+    assert code == 1, err
+    answer = json.loads(out)
+    assert answer["fits"] is False and "the device needs at least" in answer["why"]
+    code, out, _ = _run(capsys, *argv, "--device-memory", f"{answer['needed_bytes']}B")
+    assert code == 0 and "fits in" in out, out
+    code, out, _ = _run(capsys, *argv)
+    assert code == 1 and out.startswith("does NOT fit:"), out
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--device-memory", "80 apples"], "budget:total=80 apples is malformed"),
+        (["--device-memory", "80GiB", "--policy", "budget:50%"], "--device-memory 80GiB is a budget"),
+    ],
+)
+def test_bad_device_memory_flags_exit_2_naming_what_was_given(capsys, extra, message):
+    pytest.importorskip("transformers")
+    code, _, err = _run(capsys, *_LLAMA, "--input", "input_ids=2,16", "--labels", *extra)
+    assert code == 2 and message in err, err
+
+
+def test_an_unknown_optimizer_is_a_usage_error_naming_the_known_ones(capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["plan", *_LLAMA, "--optimizer", "lion"])
+    assert exited.value.code == 2
+    assert "invalid choice: 'lion'" in capsys.readouterr().err

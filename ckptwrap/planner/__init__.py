@@ -22,6 +22,8 @@ from ._recorder import StepRecorder
 from ._module_costs import ModelProfile, ModuleCost
 from ._profile import profile_modules
 from ._rates import DEVICE_RATES, DeviceRates, device_rates
+from ._device_memory import DEVICE_MARGIN, DeviceMemory, StepBudget
+from ._optimizer import OPTIMIZERS, OptimizerSpec, optimizer_spec
 from ._unreal import outside_fake, step_device, unreal
 from ._solver import (
     BudgetSolution,
@@ -55,6 +57,12 @@ __all__ = [
     "DEVICE_RATES",
     "DeviceRates",
     "device_rates",
+    "DEVICE_MARGIN",
+    "DeviceMemory",
+    "OPTIMIZERS",
+    "OptimizerSpec",
+    "StepBudget",
+    "optimizer_spec",
     "format_bytes",
     "is_measuring",
     "forward_items",

@@ -9,6 +9,7 @@ import dataclasses
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 from .._errors import CheckpointConfigError
+from ._device_memory import DeviceMemory
 from ._cost_model import CostItem
 from ._items import forward_levels, saving, with_step_terms
 from ._levels import Level
@@ -39,6 +40,9 @@ class Choice:
     """The profile the choice was made from."""
     reachable: bool = True
     """False when no plan fits the budget and this is the plan of least memory."""
+    memory: Optional[DeviceMemory] = None
+    """What the device holds besides the step, where a budget in its terms or an
+    optimizer was given."""
 
 
 def step_items(

@@ -91,6 +91,8 @@ class PlanSettings:
     """What a step run on fake tensors is priced at (``plan``'s ``device_rates``)."""
     fake: bool = False
     """Whether steps on given inputs run on fake tensors even for a real model."""
+    optimizer: Any = None
+    """The optimizer whose state and step count in a device's memory (an ``OptimizerSpec``)."""
 
     @property
     def names(self) -> List[str]:

@@ -135,6 +135,9 @@ class ModelProfile:
     priced_at: Optional[str] = None
     """For a step run on fake tensors, the rates its times were priced at (a device's
     name); None where they were measured."""
+    step_time: Optional[float] = None
+    """For a step run on fake tensors, the priced seconds of one training step with
+    nothing checkpointed (forward, loss, backward); None elsewhere."""
     _index: Dict[str, ModuleCost] = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -160,6 +163,7 @@ class ModelProfile:
             "base_bytes": self.base_bytes,
             "step": None if self.step is None else self.step.to_dict(),
             "priced_at": self.priced_at,
+            "step_time": self.step_time,
         }
 
     @classmethod
@@ -171,4 +175,5 @@ class ModelProfile:
             base_bytes=int(data["base_bytes"]),
             step=None if data.get("step") is None else StepPeaks(**data["step"]),
             priced_at=data.get("priced_at"),
+            step_time=data.get("step_time"),
         )

@@ -131,7 +131,7 @@ class OpRecorder(_Counted):
                 owner = self._seen.get(storage)
                 if owner is not None:
                     owner[5] = True
-        entry = [name, occurrence, 0, False, _flops(func, out, args, kwargs), False]
+        entry = [name, occurrence, 0, False, op_flops(func, out, args, kwargs), False]
         self.flops += entry[4]
         if fresh is not False:
             # New storages: outputs no tensor had before (an output of the schema's
@@ -188,7 +188,9 @@ def _writes(func: Any) -> Tuple[Tuple[Optional[int], str], ...]:
     )
 
 
-def _flops(func: Any, out: Any, args: Any, kwargs: Dict[str, Any]) -> int:
+def op_flops(func: Any, out: Any, args: Any, kwargs: Dict[str, Any]) -> int:
+    """FLOPs of one operator call, as torch's FLOP counter counts them (0 where it has
+    no formula)."""
     counter = flop_registry.get(getattr(func, "overloadpacket", func))
     if counter is None:
         return 0

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ..engine import CheckpointOptions
+from ._cost_model import format_bytes as shown
+
+if TYPE_CHECKING:
+    from ._device_memory import DeviceMemory
 
 __all__ = ["Plan", "PlanEntry"]
 
@@ -94,6 +98,22 @@ class Plan:
     """For a plan from a step run on fake tensors (a model on the meta device or made of
     fake tensors), the device whose rates its times were priced at, from FLOPs and bytes;
     None where they were measured."""
+    step_time: Optional[float] = None
+    """For a plan from a step run on fake tensors, the priced seconds of one training step
+    (forward, loss, backward) with this plan: the step with nothing checkpointed plus
+    ``recompute_time``."""
+    device_memory: Optional["DeviceMemory"] = None
+    """For a budget in a device's terms (``budget:total=SIZE``, ``budget:device``) or a plan
+    given an optimizer: the device's memory and what the model holds in it besides the
+    step (parameters, buffers, gradients, the optimizer's state and step)."""
+
+    @property
+    def device_peak(self) -> Optional[int]:
+        """The device's predicted peak over a training iteration with this plan: what is held
+        and the step's peak, or the optimizer's step, whichever is higher."""
+        if self.device_memory is None or self.predicted_peak is None:
+            return None
+        return self.device_memory.whole_peak(self.predicted_peak)
 
     @property
     def from_bound(self) -> bool:
@@ -148,6 +168,9 @@ class Plan:
             "priced_at": self.priced_at,
             "saved_bytes": self.saved_bytes,
             "recompute_time": self.recompute_time,
+            "step_time": self.step_time,
+            "device_memory": None if self.device_memory is None else self.device_memory.to_dict(),
+            "device_peak": self.device_peak,
         }
 
     def __str__(self) -> str:
@@ -202,10 +225,42 @@ class Plan:
                 f"(activations saved for backward without checkpointing: "
                 f"{self.activation_bytes / _MIB:.2f} MiB)"
             )
+        if self.step_time is not None and self.recompute_time is not None:
+            lines.append(
+                f"training step time: {_seconds(self.step_time)} priced at {self.priced_at}'s peak rates "
+                f"({_seconds(self.step_time - self.recompute_time)} with nothing checkpointed)"
+            )
+        if self.device_memory is not None and self.predicted_peak is not None:
+            lines += _device_lines(self.device_memory, self.predicted_peak)
         if self.dropped:
             lines.append("left out:")
             lines += _table(("module", "reason"), list(self.dropped))
         return "\n".join(lines)
+
+
+def _device_lines(memory: "DeviceMemory", step_peak: int) -> List[str]:
+    """The device's memory part by part, and whether the iteration fits."""
+    optimizer = memory.optimizer or "none given"
+    rows = [
+        ("parameters", shown(memory.parameters)),
+        ("buffers", shown(memory.buffers)),
+        (f"optimizer state ({optimizer})", shown(memory.optimizer_state)),
+        ("training step peak (this plan)", shown(step_peak)),
+        ("= held at the step's peak", shown(memory.held + step_peak)),
+        ("gradients, in the optimizer step", shown(memory.gradients)),
+        ("optimizer step temporaries", shown(memory.optimizer_step)),
+        ("= held at the optimizer step's peak", shown(memory.optimizer_peak)),
+    ]
+    peak = memory.whole_peak(step_peak)
+    head = f"device memory: {shown(peak)} predicted at the iteration's peak"
+    if memory.total is not None:
+        verdict = "fits" if peak <= memory.total else "does NOT fit"
+        head += f"; {verdict} in {shown(memory.total)} ({memory.source})"
+    return [head] + _table(("part", "bytes"), rows)
+
+
+def _seconds(value: float) -> str:
+    return f"{value * 1e3:.1f} ms" if value < 1 else f"{value:.2f} s"
 
 
 def _shown(entry: PlanEntry) -> str:

@@ -33,6 +33,7 @@ from .._errors import CheckpointConfigError
 from .._warn import note, warn
 from ._choose import Choice, choose, plain_peak
 from ._decision import Decision
+from ._device_memory import DeviceTerms
 from ._measuring import LayoutCosts, Layouts, PlanSettings, measuring, region_bytes
 from ._module_costs import ModelProfile
 from ._plan import BOUNDS
@@ -89,6 +90,8 @@ class ShapePlanner:
         # Steps measured whose profiles are taken in at the next plan: fitting allocates,
         # and the end of a backward is inside the caller's step, often at its peak.
         self._learned: List[Tuple[Decision, Optional[ModelProfile], Optional[str]]] = []
+        self.device = DeviceTerms(settings)
+        """A budget in a device's terms, and what the device holds besides the step."""
         self.watch_base = True
         """Whether a measured step follows what the forward saves outside the candidates
         through saved-tensor hooks (off after a measured step whose backward never came:
@@ -136,6 +139,7 @@ class ShapePlanner:
         self._schedule.step()
         self._take_in()
         device = step_device(model, args, kwargs) if device is None else device
+        self.device.before_step(model, device, fresh)
         costs, sizes = self._layouts.of(args, kwargs)
         region = region_bytes(device, self.settings.preserve_rng_state)
         if costs.given_up:
@@ -280,7 +284,9 @@ class ShapePlanner:
                     )
                 costs.learn(sizes, profile)
                 self._measured += 1
-            region = region_bytes(step_device(model, args, kwargs), self.settings.preserve_rng_state)
+            device = step_device(model, args, kwargs)
+            self.device.before_example(model, device, args, kwargs)
+            region = region_bytes(device, self.settings.preserve_rng_state)
             choice = self._choice(costs, sizes, region, strict=strict, model=model)
             self._schedule.soon()
             return choice
@@ -341,8 +347,11 @@ class ShapePlanner:
                 # (raised on, a cycle would keep them to the next garbage collection:
                 # inside the step).
                 return None
-            raise CheckpointConfigError(f"at inputs of {costs.layout.describe(sizes)}: {error}") from None
-        choice = dataclasses.replace(choice, budget=budget)
+            said = CheckpointConfigError(f"at inputs of {costs.layout.describe(sizes)}: {error}")
+            said.needed = error.needed
+            raise said from None
+        choice = dataclasses.replace(choice, budget=budget, memory=self.device.memory)
+        self.device.check_optimizer(model, strict=strict)
         if not choice.reachable and self._unreachable != (id(costs), sizes):
             self._unreachable = (id(costs), sizes)
             warn(
@@ -375,6 +384,8 @@ class ShapePlanner:
             if declared is not None:
                 profile = costs.profile_at(declared)
                 self.reference = max(self.reference, plain_peak(profile, self.settings.names))
+        if self.device.in_terms:
+            return self.device.step_budget()
         return resolve_budget(budget, self.reference)
 
     def _forget_plans(self, costs: LayoutCosts) -> None:

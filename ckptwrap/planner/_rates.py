@@ -179,14 +179,16 @@ def _best(run: Any, repeats: int = 5) -> float:
     return max(best, 1e-9)
 
 
-def priced(profile: ModelProfile, rates: DeviceRates, dtype: torch.dtype) -> ModelProfile:
+def priced(
+    profile: ModelProfile, rates: DeviceRates, dtype: torch.dtype, *, step_time: Optional[float] = None
+) -> ModelProfile:
     """``profile`` with its candidates' and operators' times priced at ``rates`` from
     their FLOPs and bytes: ``flops / flops_per_second[dtype] + 2 * bytes created /
     bytes_per_second`` (an output written once and read once at least), at dense peak
     rates, so a priced time is a lower bound, alike for every plan: the profile of a step
     that ran on fake tensors, whose measured times mean nothing. A selective recomputation
     is priced as the whole forward (an upper bound); the step's phases keep no seconds
-    (nothing uses them to plan)."""
+    (nothing uses them to plan). ``step_time``: the priced step with nothing checkpointed."""
 
     def op(cost: OpCost) -> OpCost:
         return dataclasses.replace(cost, time=rates.seconds(cost.flops, cost.bytes, dtype))
@@ -206,4 +208,5 @@ def priced(profile: ModelProfile, rates: DeviceRates, dtype: torch.dtype) -> Mod
         step = dataclasses.replace(step, seconds={key: 0.0 for key in step.seconds})
     return dataclasses.replace(
         profile, modules=tuple(module(cost) for cost in profile.modules), step=step, priced_at=rates.name,
+        step_time=step_time,
     )

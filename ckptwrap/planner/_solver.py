@@ -14,6 +14,7 @@ import statistics
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 from .._errors import CheckpointConfigError
+from ._device_memory import StepBudget
 from ._cost_model import (
     CostItem,
     CostOption,
@@ -252,7 +253,9 @@ def solve_budget(
         lowest = _peak(items, lowest_plan[0], base, tail, lowest_plan[1])
         if lowest > budget:
             lowest_set = [i for group in lowest_plan[0] for i in group]
-            raise CheckpointConfigError(_below_reach(items, given, lowest, lowest_set))
+            error = CheckpointConfigError(_below_reach(items, given, lowest, lowest_set))
+            error.needed = _least_budget(given, lowest)
+            raise error
         # On a coarse axis rounding can hide plans that fit; the lowest-peak one does.
         plan = search.refine(lowest_plan)
     groups, chosen = plan
@@ -278,6 +281,13 @@ def _time(item: CostItem, option: int) -> float:
 
 def _below_reach(items: Sequence[CostItem], budget: object, lowest: int, lowest_set: List[int]) -> str:
     reached = _describe(items, lowest_set)
+    if isinstance(budget, StepBudget):
+        return (
+            f"{budget.describe_parts()}, below the smallest reachable step peak "
+            f"{_exact_bytes(lowest)}, {reached}; the device needs at least "
+            f"{format_bytes(_least_budget(budget, lowest))} for this model and optimizer "
+            f"at these inputs (offer more candidates, or shard the model or its optimizer state)"
+        )
     if not isinstance(budget, PercentBudget) or budget.reference <= 0:
         return (
             f"budget {_exact_bytes(int(budget))} is below the smallest reachable peak "  # type: ignore[call-overload]
@@ -294,6 +304,15 @@ def _below_reach(items: Sequence[CostItem], budget: object, lowest: int, lowest_
         f"{_exact_bytes(lowest)}, {share:.2f}% of {budget.of}, {reached}; raise the budget "
         f"to at least {fix} or offer more candidates"
     )
+
+
+def _least_budget(budget: object, lowest: int) -> int:
+    """The least budget that reaches a step peak of ``lowest``: a device's whole memory
+    for a budget in its terms, else the step's bytes."""
+    if isinstance(budget, StepBudget):
+        memory = budget.memory
+        return max(memory.held + budget.held_gradients + lowest, memory.optimizer_peak)
+    return lowest
 
 
 def _least_percent(lowest: int, reference: int) -> Optional[float]:

@@ -18,11 +18,13 @@ from torch.utils._pytree import tree_map_only
 
 from .. import _torch_private
 from .._errors import CheckpointConfigError
-from ..measure import tensors
+from ..engine import is_recomputing
+from ..measure import tensor_storages, tensors
 from ._module_costs import ModelProfile
+from ._ops import op_flops
 from ._rates import device_rates, priced
 
-__all__ = ["measure_unreal", "outside_fake", "step_device", "unreal"]
+__all__ = ["RealWhereItCan", "measure_unreal", "outside_fake", "step_device", "unreal"]
 
 _VALUES = ".item(), a branch on a tensor's content, nonzero, a loss whose size follows its targets"
 
@@ -81,8 +83,9 @@ def measure_unreal(
         device = step_device(model, fake_args, fake_kwargs)
         rates_at = device_rates(device, rates)
         dtype = _step_dtype(model, device)
+        counted = RealWhereItCan(fake, count=True)
         try:
-            with mode, _RealWhereItCan(fake):
+            with mode, counted:
                 profile = measure(model, fake_args, fake_kwargs)
         except CheckpointConfigError:
             raise
@@ -102,7 +105,8 @@ def measure_unreal(
                 f"this device's (one that accepts other dtypes here) cannot be planned so; "
                 f"measure on the device it trains on."
             ) from error
-    return priced(profile, rates_at, dtype)
+    step_time = rates_at.seconds(counted.flops, counted.created_bytes, dtype)
+    return priced(profile, rates_at, dtype, step_time=step_time)
 
 
 @contextlib.contextmanager
@@ -144,27 +148,44 @@ def _on_fake_tensors(model: nn.Module, args: Any, kwargs: Any, fake: Any) -> Ite
         mode.allow_non_fake_inputs = allowed
 
 
-class _RealWhereItCan(TorchDispatchMode):
+class RealWhereItCan(TorchDispatchMode):
     """Inside the fake mode: an operator none of whose inputs is fake (a check on the
     real labels, a mask's own arithmetic) runs for real, and so does a factory whose output
     is tiny (LayerDrop's ``torch.rand([])``), so that code that reads their values runs
-    as in a real step; everything else stays fake."""
+    as in a real step; everything else stays fake. With ``count``, the FLOPs and bytes
+    created of the fake operators outside recomputations are summed (``flops``,
+    ``created_bytes``): the work of the step with nothing checkpointed."""
 
-    def __init__(self, fake: Any) -> None:
+    def __init__(self, fake: Any, *, count: bool = False) -> None:
         super().__init__()
         self._outside = fake.outside
+        self._count = count
+        self.flops = 0
+        self.created_bytes = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
         kwargs = kwargs or {}
         given = tensors((args, kwargs))
         if any(_fake_mode(tensor) is not None for tensor in given):
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            if self._count and not is_recomputing():
+                self.flops += op_flops(func, out, args, kwargs)
+                self.created_bytes += _created(given, out)
+            return out
         if not given:
             out = func(*args, **kwargs)
             if any(tensor.numel() > _TINY for tensor in tensors(out)):
                 return out
         with self._outside():
             return func(*args, **kwargs)
+
+
+def _created(given: List[torch.Tensor], out: Any) -> int:
+    """Bytes of the storages ``out`` has that none of the inputs had (not views)."""
+    had = {storage._cdata for tensor in given for storage in tensor_storages(tensor)}
+    return sum(
+        storage.nbytes() for tensor in tensors(out) for storage in tensor_storages(tensor) if storage._cdata not in had
+    )
 
 
 _TINY = 1 << 16

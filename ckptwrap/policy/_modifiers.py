@@ -35,6 +35,7 @@ _UNITS = {
     "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40,
     "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 }
+_TOTAL = re.compile(r"total\s*=(.*)", re.IGNORECASE | re.DOTALL)
 _AMOUNT = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE]([+-]?[0-9]+))?\s*(%|[A-Za-z]+)")
 
 DEFAULT_SELECTIVE_OPS: Tuple[str, ...] = (
@@ -60,10 +61,12 @@ class Budget(_Modifier):
     """``budget:X``: checkpoint the candidates so that the training step's peak fits X at
     the least recompute time; X is ``NN%`` of the un-checkpointed step's peak (at the
     largest shape planned so far) or an amount of bytes such as ``512MiB``, ``2GiB`` or
-    ``1.5e9B``."""
+    ``1.5e9B``. In a device's terms: ``total=SIZE`` is a whole device of SIZE, the
+    parameters, buffers, optimizer state and the optimizer's step included, and ``device``
+    is the memory the step's device has for the model now, less a margin."""
 
     amount: str
-    """The budget as written, e.g. ``"40%"`` or ``"512MiB"``."""
+    """The budget as written, e.g. ``"40%"``, ``"512MiB"``, ``"total=80GiB"`` or ``"device"``."""
 
     def __post_init__(self) -> None:
         self.parsed()  # reject a malformed amount when the policy is built
@@ -71,37 +74,67 @@ class Budget(_Modifier):
     def describe(self) -> str:
         return f"budget:{self.amount}"
 
+    @property
+    def scope(self) -> str:
+        """What the budget caps: ``"step"`` (one training step's peak), ``"total"`` (a
+        whole device of a given size) or ``"device"`` (the step's device as it is)."""
+        text = str(self.amount).strip().lower()
+        if text == "device":
+            return "device"
+        return "total" if _TOTAL.fullmatch(text) else "step"
+
     def parsed(self) -> Tuple[Optional[float], Optional[int]]:
-        """(fraction of the un-checkpointed step's peak, None) or (None, bytes).
+        """(fraction of the un-checkpointed step's peak, None) or (None, bytes): bytes of
+        the step, or of the whole device for ``total=SIZE``; (None, None) for ``device``
+        (read from the device when planned).
 
         Raises:
             CheckpointConfigError: If the amount is malformed, or out of range: a
                 percentage must lie in (0, 100], an amount in bytes (rounded down to a
                 whole byte) from 1 B to :data:`MAX_BYTES`.
         """
+        scope = self.scope
+        if scope == "device":
+            return None, None
         text = str(self.amount).strip()
-        match = _AMOUNT.fullmatch(text)
-        unit = match.group(3).upper() if match else ""
-        if not match or (unit != "%" and unit not in _UNITS):
+        if scope == "total":
+            text = _TOTAL.fullmatch(text).group(1).strip()  # type: ignore[union-attr]
+        fraction, amount = _amount(text, "total=" if scope == "total" else "")
+        if fraction is not None and scope == "total":
             raise CheckpointConfigError(
-                f"budget:{abbreviate(text)} is malformed: write a percentage of the "
-                f"un-checkpointed training step's peak such as budget:40%, or an amount such as "
-                f"budget:512MiB, budget:2GiB or budget:1.5e9B (units: {', '.join(_unit_names())})"
+                f"budget:{abbreviate(str(self.amount).strip())} is malformed: total= takes "
+                f"the device's memory in bytes, such as budget:total=80GiB (a share of the "
+                f"step's peak is budget:NN%)"
             )
-        # Exact arithmetic: a float of hundreds of digits would overflow to infinity.
-        value = parse_decimal(match.group(1))
-        exponent = _exponent(match.group(2))
-        if value and exponent > _LARGEST_EXPONENT:
-            raise CheckpointConfigError(_too_large(text, unit))
-        value *= fractions.Fraction(10) ** max(exponent, -_LARGEST_EXPONENT)
-        if unit == "%":
-            if 0 < value <= 100 and float(value) / 100 > 0:  # not so small that it is 0 as a float
-                return float(value) / 100, None
-            raise CheckpointConfigError(_too_large(text, unit))
-        amount = math.floor(value * _UNITS[unit])
-        if 1 <= amount <= MAX_BYTES:
-            return None, amount
-        raise CheckpointConfigError(_too_large(text, unit))
+        return fraction, amount
+
+
+def _amount(text: str, prefix: str) -> Tuple[Optional[float], Optional[int]]:
+    """``NN%`` as (fraction, None), or an amount of bytes as (None, bytes); ``prefix``
+    is what was written before it (for messages)."""
+    match = _AMOUNT.fullmatch(text)
+    unit = match.group(3).upper() if match else ""
+    if not match or (unit != "%" and unit not in _UNITS):
+        raise CheckpointConfigError(
+            f"budget:{prefix}{abbreviate(text)} is malformed: write a percentage of the "
+            f"un-checkpointed training step's peak such as budget:40%, an amount such as "
+            f"budget:512MiB, budget:2GiB or budget:1.5e9B (units: {', '.join(_unit_names())}), "
+            f"a whole device's memory such as budget:total=80GiB, or budget:device"
+        )
+    # Exact arithmetic: a float of hundreds of digits would overflow to infinity.
+    value = parse_decimal(match.group(1))
+    exponent = _exponent(match.group(2))
+    if value and exponent > _LARGEST_EXPONENT:
+        raise CheckpointConfigError(_too_large(prefix + text, unit))
+    value *= fractions.Fraction(10) ** max(exponent, -_LARGEST_EXPONENT)
+    if unit == "%":
+        if 0 < value <= 100 and float(value) / 100 > 0:  # not so small that it is 0 as a float
+            return float(value) / 100, None
+        raise CheckpointConfigError(_too_large(prefix + text, unit))
+    amount = math.floor(value * _UNITS[unit])
+    if 1 <= amount <= MAX_BYTES:
+        return None, amount
+    raise CheckpointConfigError(_too_large(prefix + text, unit))
 
 
 _LARGEST_EXPONENT = 400

@@ -16,6 +16,7 @@ from ._marks import PLAN_ATTRIBUTE, apply_plan, record_plan, unmark
 from ._per_shape import PlanPerShape, StepEnd, remove_pending
 from ._max_shapes import check_max_shapes
 from ._planning import _select, measured, plan, refuse_inference, shape_planner
+from ..planner import optimizer_spec
 from ._clients import cache_writes_off
 from ._transformers import TransformersSwitch, switch_of
 
@@ -32,6 +33,7 @@ def wrap_model(
     follow_shapes: Optional[bool] = None,
     loss_fn: Optional[Callable[[Any], Any]] = None,
     max_shapes: Optional[Mapping[Any, Sequence[int]]] = None,
+    optimizer: Any = None,
     **options: Any,
 ) -> nn.Module:
     """Checkpoint the submodules ``policy`` selects, in place, and return the model.
@@ -65,6 +67,8 @@ def wrap_model(
         loss_fn: See :func:`plan`. Kept for measuring inputs of another layout, but not
             pickled with the model: after unpickling, measurements use the default.
         max_shapes: See :func:`plan`.
+        optimizer: See :func:`plan`: the optimizer whose state and step a budget in a
+            device's terms (``budget:total=SIZE``, ``budget:device``) counts.
         **options: Engine options of :func:`ckptwrap.checkpoint`.
 
     Returns:
@@ -85,11 +89,12 @@ def wrap_model(
     given, model = model, uncompiled(model)
     # Everything that can be checked without costs is checked now.
     unmeasured, budget = _select(model, policy, nested, options)
+    spec = optimizer_spec(model, optimizer)
     _refuse_stacking(model, unmeasured, budget)
     with _transformers_off(model, budget is not None or bool(unmeasured.selected)):
         _wrap(
             model, policy, nested, example_inputs, example_kwargs, follow_shapes, loss_fn,
-            max_shapes, options, unmeasured, budget,
+            max_shapes, options, unmeasured, budget, spec,
         )
     return given
 
@@ -115,6 +120,7 @@ def _wrap(
     options: Dict[str, Any],
     unmeasured: Plan,
     budget: Any,
+    spec: Any,
 ) -> nn.Module:
     if budget is None:
         if example_inputs is None and example_kwargs is None:
@@ -122,14 +128,14 @@ def _wrap(
         else:
             apply_plan(model, plan(
                 model, policy, nested=nested, example_inputs=example_inputs,
-                example_kwargs=example_kwargs, loss_fn=loss_fn, **options,
+                example_kwargs=example_kwargs, loss_fn=loss_fn, optimizer=spec, **options,
             ))
         return model
     if _applied_already(model, unmeasured):
         # Planned again on the wrapped model, the budget would be read against the memory
         # that is left: wrapping twice stays a no-op.
         return model
-    planner = shape_planner(model, policy, unmeasured, budget, loss_fn, max_shapes)
+    planner = shape_planner(model, policy, unmeasured, budget, loss_fn, max_shapes, optimizer=spec)
     hook = PlanPerShape(planner, unmeasured, follow_shapes)
     if example_inputs is None and example_kwargs is None:
         remove_pending(model)

@@ -20,8 +20,10 @@ from ..planner import (
     PlanEntry,
     PlanSettings,
     ShapePlanner,
+    OptimizerSpec,
     as_example,
     device_rates,
+    optimizer_spec,
 )
 from ._code_checkpoints import checkpointed_by_code, say_left_to_code
 from ._max_shapes import check_max_shapes
@@ -44,6 +46,7 @@ def plan(
     max_shapes: Optional[Mapping[Any, Sequence[int]]] = None,
     device_rates: Any = None,
     fake: bool = False,
+    optimizer: Any = None,
     **options: Any,
 ) -> Plan:
     """What :func:`wrap_model` would do with these arguments, without changing ``model``.
@@ -84,6 +87,13 @@ def plan(
             the inputs; for asking what a plan is at shapes too large to run here (give
             inputs of that shape: real ones stay real). Bytes as a real step's; times
             priced at ``device_rates``.
+        optimizer: The optimizer the model trains with: a ``torch.optim.Optimizer`` over
+            its parameters or a name (``"adamw"``, ``"adam"``, ``"sgd"``,
+            ``"sgd-momentum"``, ``"adagrad"``, ``"rmsprop"``). Its state and its step's
+            temporaries are measured from two steps of it on fake stand-ins of the
+            parameters (nothing allocated, the optimizer untouched) and count in a budget
+            in a device's terms (``budget:total=80GiB``, ``budget:device``); with example
+            inputs the plan shows the device's memory part by part.
         **options: Engine options of :func:`ckptwrap.checkpoint`.
 
     Returns:
@@ -99,7 +109,7 @@ def plan(
     return plan_and_profile(
         model, policy, nested=nested, example_inputs=example_inputs,
         example_kwargs=example_kwargs, loss_fn=loss_fn, max_shapes=max_shapes,
-        device_rates=device_rates, fake=fake, **options,
+        device_rates=device_rates, fake=fake, optimizer=optimizer, **options,
     )[0]
 
 
@@ -115,6 +125,7 @@ def plan_and_profile(
     max_shapes: Optional[Mapping[Any, Sequence[int]]] = None,
     device_rates: Any = None,
     fake: bool = False,
+    optimizer: Any = None,
     **options: Any,
 ) -> Tuple[Plan, Optional[ModelProfile]]:
     """:func:`plan`, and the profile its predictions come from (None when unmeasured).
@@ -124,6 +135,7 @@ def plan_and_profile(
     that a drawing made from it agrees with the plan.
     """
     unmeasured, budget = _select(model, policy, nested, options)
+    spec = optimizer if isinstance(optimizer, OptimizerSpec) else optimizer_spec(model, optimizer)
     if budget is None and example_inputs is None and example_kwargs is None:
         return unmeasured, None
     if example_inputs is None and example_kwargs is None:
@@ -135,7 +147,9 @@ def plan_and_profile(
         )
     if not isinstance(fake, bool):
         raise CheckpointConfigError(f"fake must be True or False, got {fake!r}")
-    planner = shape_planner(model, policy, unmeasured, budget, loss_fn, max_shapes, device_rates, fake)
+    planner = shape_planner(
+        model, policy, unmeasured, budget, loss_fn, max_shapes, device_rates, fake, optimizer=spec
+    )
     args, kwargs = as_example(example_inputs, example_kwargs)
     check_max_shapes(model, max_shapes, (args, kwargs))
     refuse_inference(budget, unmeasured, args, kwargs)
@@ -154,6 +168,8 @@ def shape_planner(
     max_shapes: Optional[Mapping[Any, Sequence[int]]],
     rates: Any = None,
     fake: bool = False,
+    *,
+    optimizer: Any = None,
 ) -> ShapePlanner:
     """The planner of ``unmeasured``'s candidates, as ``policy`` allows it to checkpoint
     them."""
@@ -179,6 +195,7 @@ def shape_planner(
         loss_fn=loss_fn,
         rates=rates,
         fake=fake,
+        optimizer=optimizer,
     )
     return ShapePlanner(settings, max_shapes=dict(max_shapes) if max_shapes else None)
 
@@ -196,7 +213,17 @@ def measured(unmeasured: Plan, choice: Choice, costs_from: str = "measured") -> 
         plain_peak=choice.plain_peak,
         costs_from=costs_from,
         priced_at=choice.profile.priced_at if choice.profile is not None else None,
+        step_time=_step_time(choice),
+        device_memory=choice.memory,
     )
+
+
+def _step_time(choice: Choice) -> Optional[float]:
+    """The priced step time with the choice: nothing checkpointed, plus its recomputation."""
+    plain = choice.profile.step_time if choice.profile is not None else None
+    if plain is None or any(entry.recompute_time is None for entry in choice.entries):
+        return None
+    return plain + sum(entry.recompute_time for entry in choice.entries)  # type: ignore[misc]
 
 
 def _serves(

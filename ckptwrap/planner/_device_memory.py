@@ -1,0 +1,314 @@
+"""What a device holds besides one training step, for budgets in a device's terms
+(``budget:total=SIZE``, ``budget:device``): the parameters, buffers and gradients, and
+the optimizer's state and step, measured from two optimizer steps on fake tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple
+
+import torch
+from torch import nn
+
+from .._errors import CheckpointConfigError
+from .._warn import warn
+from ..measure import tensor_storages
+from ._cost_model import format_bytes
+from ._optimizer import OptimizerSpec, optimizer_costs
+from ._rates import device_rates
+from ._unreal import outside_fake, unreal
+
+__all__ = [
+    "DEVICE_MARGIN",
+    "DeviceMemory",
+    "DeviceTerms",
+    "StepBudget",
+    "device_memory",
+    "optimizer_beyond",
+    "read_memory",
+]
+
+DEVICE_MARGIN = 0.05
+"""The share of a device's memory ``budget:device`` leaves free: the caching allocator's
+fragmentation, and what other code on the device allocates meanwhile."""
+
+@dataclasses.dataclass(frozen=True)
+class DeviceMemory:
+    """A device's memory, and what the model holds in it besides one training step.
+
+    Attributes:
+        total: What the device has for the model, bytes (None where only the parts are
+            asked for).
+        parameters: Bytes of the model's parameters on it.
+        buffers: Bytes of its buffers.
+        gradients: Bytes of the gradients of its trainable parameters, held from the end
+            of the backward through the optimizer's step.
+        optimizer_state: Bytes of the optimizer's state once it has stepped.
+        optimizer_step: Bytes the optimizer's step allocates beyond its state (its
+            temporaries), at its peak.
+        optimizer: The optimizer's class name; None where none was given (nothing counted).
+        source: Where ``total`` came from, for the plan's table.
+    """
+
+    total: Optional[int]
+    parameters: int
+    buffers: int
+    gradients: int
+    optimizer_state: int
+    optimizer_step: int
+    optimizer: Optional[str]
+    source: str
+
+    @property
+    def held(self) -> int:
+        """Bytes held through every training step: parameters, buffers, optimizer state."""
+        return self.parameters + self.buffers + self.optimizer_state
+
+    @property
+    def optimizer_peak(self) -> int:
+        """The device's peak in the optimizer's step: what is held, the gradients and the
+        step's temporaries."""
+        return self.held + self.gradients + self.optimizer_step
+
+    def whole_peak(self, step_peak: int) -> int:
+        """The device's peak over a training iteration whose step peaks at ``step_peak``."""
+        return max(self.held + step_peak, self.optimizer_peak)
+
+    def step_budget(self, held_gradients: int = 0) -> "StepBudget":
+        """What a training step may allocate, starting with ``held_gradients`` bytes of
+        gradients already held (accumulation)."""
+        assert self.total is not None
+        return StepBudget(self, held_gradients)
+
+    def to_dict(self) -> Dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class StepBudget(int):
+    """A step's budget in bytes read from a device's (:class:`DeviceMemory`): its total less
+    what is held (and the gradients held at the step's start), at least 0."""
+
+    memory: DeviceMemory
+    held_gradients: int
+
+    def __new__(cls, memory: DeviceMemory, held_gradients: int = 0) -> "StepBudget":
+        self = super().__new__(cls, max(0, int(memory.total or 0) - memory.held - held_gradients))
+        self.memory, self.held_gradients = memory, int(held_gradients)
+        return self
+
+    def describe_parts(self) -> str:
+        """The budget as a sum, for messages."""
+        m = self.memory
+        parts = [f"parameters {_gib(m.parameters)}", f"buffers {_gib(m.buffers)}"]
+        parts.append(
+            f"{m.optimizer} state {_gib(m.optimizer_state)}" if m.optimizer else "no optimizer state (none given)"
+        )
+        if self.held_gradients:
+            parts.append(f"gradients held from earlier steps {_gib(self.held_gradients)}")
+        return f"{m.source} less {', '.join(parts)} leaves {_gib(int(self))} for the step"
+
+    def __reduce__(self) -> Tuple[object, ...]:
+        return (StepBudget, (self.memory, self.held_gradients))
+
+
+def device_memory(
+    model: nn.Module,
+    device: torch.device,
+    spec: Optional[OptimizerSpec],
+    *,
+    total: Optional[int] = None,
+    written: str = "",
+    from_device: bool = False,
+    fake_step: bool = False,
+    rates: Any = None,
+) -> DeviceMemory:
+    """The :class:`DeviceMemory` of ``model`` training on ``device`` with the optimizer
+    ``spec``: a whole device of ``total`` bytes, or with ``from_device`` the memory the
+    device has for it now (its free memory, what the allocator caches unused and what the
+    model holds there already, less :data:`DEVICE_MARGIN` of the device; for a step on
+    fake tensors, ``rates``' device's memory less the margin).
+
+    Raises:
+        CheckpointConfigError: ``from_device`` where the device's memory cannot be read;
+            an optimizer that does not step on fake tensors.
+    """
+    parameters = _bytes(model.parameters())
+    buffers = _bytes(model.buffers())
+    gradients = _bytes(p for p in model.parameters() if p.requires_grad)
+    accelerator = device.type not in ("cpu", "meta")
+    if from_device:
+        if fake_step:
+            total, source = _rated_memory(rates, device)
+        else:
+            total, source = _free_memory(model, device)
+    else:
+        source = written or "the parts alone"
+    if fake_step and rates is not None:
+        accelerator = device_rates(device, rates).name != "cpu"
+    state, step = optimizer_costs(model, spec, accelerator) if spec is not None else (0, 0)
+    return DeviceMemory(
+        total=total, parameters=parameters, buffers=buffers, gradients=gradients,
+        optimizer_state=state, optimizer_step=step,
+        optimizer=spec.name if spec is not None else None, source=source,
+    )
+
+
+class DeviceTerms:
+    """A planner's budget in a device's terms (``budget:total=SIZE``, ``budget:device``)
+    and what its model holds on the device, read at the first plan (also for an
+    optimizer given beside another budget, for the plan's table). Plain data between calls."""
+
+    def __init__(self, settings: Any) -> None:
+        # What of the settings it reads (not the settings: their loss function may not pickle).
+        self.budget, self.optimizer = settings.budget, settings.optimizer
+        self.rates, self.fake = settings.rates, settings.fake
+        self.memory: Optional[DeviceMemory] = None
+        self.held_gradients = 0
+        self._said = False
+
+    @property
+    def in_terms(self) -> bool:
+        """Whether the budget is a device's memory."""
+        return self.budget is not None and self.budget.scope != "step"
+
+    def before_step(self, model: nn.Module, device: torch.device, fresh: Callable[[], bool]) -> None:
+        """Before a training forward: the memory read once, and the gradients the step
+        starts with (accumulation) read each time."""
+        if self.in_terms:
+            self._read(model, device, fake_step=False)
+            self.held_gradients = 0 if fresh() else _gradient_bytes(model)
+
+    def before_example(self, model: nn.Module, device: torch.device, args: Any, kwargs: Any) -> None:
+        """Before planning given inputs (from fresh gradients)."""
+        if self.in_terms or self.optimizer is not None:
+            fake_step = self.fake or unreal(model, args, kwargs) is not None
+            self._read(model, device, fake_step=fake_step)
+            self.held_gradients = 0
+
+    def step_budget(self) -> "StepBudget":
+        assert self.memory is not None, "read at the first plan"
+        return self.memory.step_budget(self.held_gradients)
+
+    def check_optimizer(self, model: nn.Module, *, strict: bool) -> None:
+        """The optimizer's step needs the gradients and its temporaries beside what is
+        held, whatever the plan: past the device, an error with ``strict``, else said once."""
+        if not self.in_terms or self.memory is None:
+            return
+        message = optimizer_beyond(self.memory, self.budget, model)
+        if message is None:
+            return
+        if strict:
+            error = CheckpointConfigError(message)
+            error.needed = self.memory.optimizer_peak
+            raise error
+        if not self._said:
+            self._said = True
+            warn(message)
+
+    def _read(self, model: nn.Module, device: torch.device, *, fake_step: bool) -> None:
+        if self.memory is None:
+            with outside_fake():
+                self.memory = read_memory(
+                    model, device, self.budget, self.optimizer, rates=self.rates, fake_step=fake_step
+                )
+
+
+def _gradient_bytes(model: nn.Module) -> int:
+    """Bytes of the gradients the model's parameters hold now."""
+    return sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+
+
+def read_memory(
+    model: nn.Module, device: torch.device, budget: Any, optimizer: Optional[OptimizerSpec], *, rates: Any, fake_step: bool
+) -> DeviceMemory:
+    """The :class:`DeviceMemory` of a plan with this budget term and optimizer; said where
+    a budget in a device's terms counts no optimizer."""
+    scope = budget.scope if budget is not None else "step"
+    memory = device_memory(
+        model, device, optimizer,
+        total=budget.parsed()[1] if scope == "total" else None,
+        written=budget.describe() if budget is not None else "",
+        from_device=scope == "device", fake_step=fake_step, rates=rates,
+    )
+    if optimizer is None and scope != "step":
+        warn(
+            f"{budget.describe()} counts the parameters, buffers and gradients of "
+            f"{type(model).__name__}, but no optimizer state: pass optimizer= (the optimizer, "
+            f"or a name such as 'adamw') to wrap_model or plan so that its state and step count too."
+        )
+    return memory
+
+
+def optimizer_beyond(memory: DeviceMemory, budget: Any, model: nn.Module) -> Optional[str]:
+    """What to say where the optimizer's step alone passes the device (the gradients and
+    its temporaries beside what is held, whatever the plan), else None."""
+    if memory.total is None or memory.optimizer_peak <= memory.total:
+        return None
+    return (
+        f"{budget.describe()}: {type(model).__name__}'s optimizer step alone needs "
+        f"{_gib(memory.optimizer_peak)} (parameters, buffers, {memory.optimizer or 'no'} "
+        f"optimizer state, gradients {_gib(memory.gradients)} and the step's temporaries "
+        f"{_gib(memory.optimizer_step)}), more than {memory.source} ({_gib(memory.total)}), "
+        f"whatever is checkpointed. Shard the model or its optimizer state (FSDP2), train "
+        f"fewer parameters, or use a larger device."
+    )
+
+
+def _bytes(found: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind these tensors (a DTensor's local shard)."""
+    seen = set()
+    total = 0
+    for tensor in found:
+        for storage in tensor_storages(tensor):
+            key = storage._cdata
+            if key not in seen:
+                seen.add(key)
+                total += storage.nbytes()
+    return total
+
+
+def _rated_memory(rates: Any, device: torch.device) -> Tuple[int, str]:
+    named = device_rates(device, rates) if rates is not None else None
+    if named is None or named.memory_bytes is None:
+        raise CheckpointConfigError(
+            "budget:device reads the memory of the device the model trains on, and this step "
+            "runs on fake tensors: name the device with device_rates= (such as "
+            "device_rates='h100-sxm', whose memory is known), or write its memory as "
+            "budget:total=80GiB."
+        )
+    usable = int(named.memory_bytes * (1 - DEVICE_MARGIN))
+    return usable, f"{named.name}'s {_gib(named.memory_bytes)} less {DEVICE_MARGIN:.0%}"
+
+
+def _free_memory(model: nn.Module, device: torch.device) -> Tuple[int, str]:
+    module = getattr(torch, device.type, None)
+    read = getattr(module, "mem_get_info", None)
+    if device.type == "cpu" or read is None:
+        raise CheckpointConfigError(
+            f"budget:device reads the free memory of the device the model trains on, and "
+            f"ckptwrap cannot read {device.type!r}'s (the CPU's memory is the host's, shared "
+            f"with everything else). Write the memory to use as budget:total=SIZE (the whole "
+            f"iteration) or budget:SIZE (one training step)."
+        )
+    free, whole = read(device)
+    cached = 0
+    if hasattr(module, "memory_reserved") and hasattr(module, "memory_allocated"):
+        cached = max(0, module.memory_reserved(device) - module.memory_allocated(device))
+    present = _bytes(
+        t for t in itertools.chain(model.parameters(), model.buffers(), _grads(model)) if t.device == device
+    )
+    usable = free + cached + present - int(whole * DEVICE_MARGIN)
+    return max(0, usable), (
+        f"{device}'s free memory ({_gib(free + cached)} now, with the model's "
+        f"{_gib(present)}) less {DEVICE_MARGIN:.0%} of its {_gib(whole)}"
+    )
+
+
+def _grads(model: nn.Module) -> Iterable[torch.Tensor]:
+    return (p.grad for p in model.parameters() if p.grad is not None)
+
+
+def _gib(n: int) -> str:
+    return format_bytes(n)
