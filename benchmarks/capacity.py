@@ -69,6 +69,7 @@ MODELS: Dict[str, Tuple[str, Callable[[], torch.nn.Module]]] = {
         _t5(
             d_model=4096, d_ff=10240, d_kv=128, num_heads=32, num_layers=16, num_decoder_layers=16,
             feed_forward_proj="gated-gelu", vocab_size=32128, tie_word_embeddings=False,
+            decoder_start_token_id=0, pad_token_id=0,
         ),
     ),
 }

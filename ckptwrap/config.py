@@ -94,12 +94,15 @@ class ActivationCheckpointingConfig:
         *,
         example_inputs: Any = None,
         example_kwargs: Optional[Dict[str, Any]] = None,
+        optimizer: Any = None,
     ) -> nn.Module:
         """Wrap ``model`` in place as configured and return it.
 
         ``example_inputs`` and ``example_kwargs`` (the model's keyword inputs, as a Hugging
         Face model takes them) are passed to :func:`ckptwrap.wrap_model`, so that a
-        ``budget:`` policy is planned now instead of on the first training forward.
+        ``budget:`` policy is planned now instead of on the first training forward;
+        ``optimizer`` (the optimizer or a name such as ``"adamw"``) too, for a budget in a
+        device's terms (``budget:total=80GiB``, ``budget:device``).
         """
         return wrap_model(
             model,
@@ -107,6 +110,7 @@ class ActivationCheckpointingConfig:
             nested=self.nested,
             example_inputs=example_inputs,
             example_kwargs=example_kwargs,
+            optimizer=optimizer,
             **self.options.as_kwargs(),
         )
 
@@ -189,10 +193,13 @@ class CheckpointingArguments:
         *,
         example_inputs: Any = None,
         example_kwargs: Optional[Dict[str, Any]] = None,
+        optimizer: Any = None,
     ) -> nn.Module:
         """Wrap ``model`` in place as configured and return it (see
         :meth:`ActivationCheckpointingConfig.apply`): the same ``wrap_model`` call as the flag."""
-        return self.to_config().apply(model, example_inputs=example_inputs, example_kwargs=example_kwargs)
+        return self.to_config().apply(
+            model, example_inputs=example_inputs, example_kwargs=example_kwargs, optimizer=optimizer
+        )
 
 
 def _is_default(value: Any, default: Any) -> bool:

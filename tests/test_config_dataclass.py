@@ -102,6 +102,19 @@ def test_apply_wraps_in_place_and_takes_example_inputs(monkeypatch):
     assert calls[0]["example_inputs"] == (x,) and calls[0]["example_kwargs"] is None
 
 
+def test_apply_passes_the_optimizer_for_a_budget_in_a_devices_terms():
+    """The flag's ``budget:total=SIZE`` counts the optimizer the script hands to apply."""
+    model = Net()
+    x = torch.randn(2, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    applied = CheckpointingArguments(activation_checkpointing="budget:total=1GiB").apply(
+        model, example_inputs=(x,), optimizer=optimizer
+    )
+    memory = applied.ckptwrap_plan.device_memory
+    assert memory.optimizer == "AdamW"
+    assert memory.optimizer_state == 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def test_a_policy_left_out_comes_from_the_environment_when_applied(monkeypatch):
     monkeypatch.delenv(config.ENV_VAR, raising=False)
     arguments = CheckpointingArguments()  # made before the variable is set: read at apply time

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -103,14 +103,7 @@ def optimizer_costs(model: nn.Module, spec: OptimizerSpec, accelerator: bool) ->
         mode.allow_non_fake_inputs = True  # the step counters are real (tiny, made for real)
         with mode:
             stand_ins = [_stand_in(p) for p in params]
-        groups = []
-        for positions, hyper in spec.groups:
-            group: Dict[str, Any] = dict(hyper)
-            group["params"] = [stand_ins[i] for i in positions]
-            if accelerator and group.get("foreach") is None and not group.get("fused"):
-                if "foreach" in _init_options(spec.kind):
-                    group["foreach"] = True
-            groups.append(group)
+        groups = _groups(spec, stand_ins, accelerator)
         counters = []
         optimizer = None
         try:
@@ -124,11 +117,7 @@ def optimizer_costs(model: nn.Module, spec: OptimizerSpec, accelerator: bool) ->
         except CheckpointConfigError:
             raise
         except Exception as error:  # noqa: BLE001 - said with the optimizer, then raised on
-            raise CheckpointConfigError(
-                f"{spec.name} could not step on fake tensors to count its state "
-                f"({type(error).__name__}: {error}); write the budget as budget:SIZE of the "
-                f"training step instead."
-            ) from error
+            raise _refused(f"{spec.name} could not step on fake tensors", error) from error
         # The second step's counter sees only what that step creates: the state is there.
         return counters[0].live_bytes, counters[1].peak_bytes
 
@@ -157,8 +146,25 @@ def _build(spec: OptimizerSpec, groups: Any) -> torch.optim.Optimizer:
     try:
         return spec.kind(groups)
     except Exception as error:  # noqa: BLE001 - said with the optimizer, then raised on
-        raise CheckpointConfigError(
-            f"ckptwrap could not make a {spec.name} over stand-ins of the parameters to count "
-            f"its state ({type(error).__name__}: {error}); write the budget as budget:SIZE "
-            f"of the training step instead."
-        ) from error
+        raise _refused(f"ckptwrap could not make a {spec.name} over stand-ins of the parameters", error) from error
+
+
+def _refused(what: str, error: Exception) -> CheckpointConfigError:
+    return CheckpointConfigError(
+        f"{what} to count its state ({type(error).__name__}: {error}); write the budget as "
+        f"budget:SIZE of the training step instead."
+    )
+
+
+def _groups(spec: OptimizerSpec, stand_ins: List[torch.Tensor], accelerator: bool) -> List[Dict[str, Any]]:
+    """``spec``'s parameter groups over the stand-ins; on an accelerator, the multi-tensor
+    implementation where the optimizer has one and leaves the choice to torch."""
+    groups = []
+    for positions, hyper in spec.groups:
+        group: Dict[str, Any] = dict(hyper)
+        group["params"] = [stand_ins[i] for i in positions]
+        if accelerator and group.get("foreach") is None and not group.get("fused"):
+            if "foreach" in _init_options(spec.kind):
+                group["foreach"] = True
+        groups.append(group)
+    return groups

@@ -216,7 +216,9 @@ class Plan:
                 f"{self.predicted_peak / _MIB:.2f} MiB with this plan "
                 f"({self.predicted_peak / max(plain, 1):.0%})"
             )
-            if self.budget is not None:
+            if self.budget is not None and self.device_memory is not None and self.device_memory.total is not None:
+                summary += f"; {self.budget / _MIB:.2f} MiB left for it on the device"
+            elif self.budget is not None:
                 summary += f"; budget {self.budget / _MIB:.2f} MiB"
             if self.from_bound:
                 summary += " (from a bound: at or above the step's own)"

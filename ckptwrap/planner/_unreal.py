@@ -101,9 +101,9 @@ def measure_unreal(
         except Exception as error:  # noqa: BLE001 - said with what ran it, then raised on
             raise CheckpointConfigError(
                 f"{type(model).__name__}'s training step failed on fake tensors ({why}): "
-                f"{type(error).__name__}: {error}. An operator whose fake kernel differs from "
-                f"this device's (one that accepts other dtypes here) cannot be planned so; "
-                f"measure on the device it trains on."
+                f"{type(error).__name__}: {error}. Where the same step runs on real tensors, an "
+                f"operator's fake kernel differs from this device's (one that accepts other "
+                f"dtypes here) and it cannot be planned so; measure on the device it trains on."
             ) from error
     step_time = rates_at.seconds(counted.flops, counted.created_bytes, dtype)
     return priced(profile, rates_at, dtype, step_time=step_time)

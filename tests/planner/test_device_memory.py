@@ -34,6 +34,7 @@ transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from _allocator import allocator_peak  # noqa: E402
 from _architectures import ARCHITECTURES  # noqa: E402
+from whole_iteration import held as _held, iteration_peak as _iteration_peak  # noqa: E402
 
 _OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, {}),
@@ -49,30 +50,6 @@ def _batch(name: str):
     arch = ARCHITECTURES[name]
     padded = arch.family in ("causal", "encoder", "encoder-decoder")
     return arch.batch(2, arch.lengths[1], 0, padded)
-
-
-def _held(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the distinct storages of the parameters, buffers and optimizer state."""
-    found = [*model.parameters(), *model.buffers()]
-    found += [value for state in optimizer.state.values() for value in state.values() if torch.is_tensor(value)]
-    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in found}
-    return sum(storages.values())
-
-
-def _iteration_peak(model: nn.Module, optimizer: torch.optim.Optimizer, batch) -> int:
-    """The device's peak over the second of two training iterations: what is held before
-    it, and the allocator's peak over it."""
-
-    def iteration() -> None:
-        out = model(**batch)
-        out.loss.backward()
-        del out
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    iteration()  # the optimizer makes its state
-    held = _held(model, optimizer)
-    return held + allocator_peak(iteration)
 
 
 # ----------------------------------------------------------------------------- the term

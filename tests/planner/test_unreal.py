@@ -302,3 +302,25 @@ def test_the_peaks_agree_with_torchs_memtracker_on_fake_tensors(dtype):
     for policy, predicted in ours.items():
         theirs = memtracker_peak(config, dtype, ids, policy)
         assert abs(predicted - theirs) <= 0.01 * theirs, (policy, predicted, theirs)
+
+
+@pytest.mark.parametrize("policy", ["none", "blocks"])
+def test_the_whole_iteration_agrees_with_torchs_memtracker(policy):
+    """Two whole iterations with AdamW tracked by ``MemTracker`` on fake tensors: their peak
+    (parameters, buffers, AdamW's state, the step or AdamW's step) is the ``device_peak``
+    ckptwrap predicts from the meta device with ``optimizer="adamw"``."""
+    pytest.importorskip("torch.distributed._tools.mem_tracker")
+    from against_memtracker import build, memtracker_iteration_peak
+
+    config = transformers.LlamaConfig(
+        vocab_size=1024, hidden_size=256, intermediate_size=688, num_hidden_layers=3,
+        num_attention_heads=8, num_key_value_heads=4,
+    )
+    ids = torch.randint(0, 1024, (2, 512), generator=torch.Generator().manual_seed(0))
+    with torch.device("meta"):
+        meta = build(config, torch.float32)
+    planned = ckptwrap.plan(meta, policy, example_kwargs={"input_ids": ids, "labels": ids}, optimizer="adamw")
+    step = planned.plain_peak if policy == "none" else planned.predicted_peak
+    predicted = planned.device_memory.whole_peak(step)
+    theirs = memtracker_iteration_peak(config, torch.float32, ids, policy)
+    assert abs(predicted - theirs) <= 0.01 * theirs, (predicted, theirs)
