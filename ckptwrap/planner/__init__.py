@@ -16,7 +16,8 @@ from ._inputs import InputLayout, as_example, read_layout
 from ._items import forward_items, forward_levels, with_step_terms
 from ._ops import OpCost, packet_name
 from ._plan import Plan, PlanEntry
-from ._measuring import PlanSettings, is_measuring, region_bytes
+from ._measuring import PlanSettings, is_measuring
+from ._step import region_bytes
 from ._planner import Decision, ShapePlanner
 from ._recorder import StepRecorder
 from ._module_costs import ModelProfile, ModuleCost

@@ -22,7 +22,7 @@ import collections
 import contextlib
 import contextvars
 import dataclasses
-import functools
+import math
 from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
@@ -32,7 +32,7 @@ from ._module_costs import ModelProfile
 from ._fit import CostFit, ShapesDiffer
 from ._inputs import InputLayout, read_layout
 
-__all__ = ["LayoutCosts", "Layouts", "PlanSettings", "is_measuring", "measuring", "region_bytes"]
+__all__ = ["LayoutCosts", "Layouts", "PlanSettings", "is_measuring", "measuring"]
 
 Sizes = Tuple[int, ...]
 
@@ -118,6 +118,13 @@ def measuring() -> Iterator[None]:
         _MEASURING.reset(token)
 
 
+_SCALE_STEP = 2 ** (1 / 16)
+"""The grid a scaled bound's factor is rounded up to (steps of 4.4%)."""
+_SCALED_PEAK = 0.999
+"""A scaled bound's peak against its measured shape's times the scale (counts of calls do
+not scale): what it is at least, for telling whether it may peak below a fit."""
+
+
 class LayoutCosts:
     """What is known of one input layout's costs (see the module)."""
 
@@ -135,6 +142,7 @@ class LayoutCosts:
         self._covered: Dict[Sizes, bool] = {}
         self._known: Dict[Sizes, Optional[Tuple[str, ModelProfile]]] = {}
         self._single: Dict[Sizes, CostFit] = {}  # one measured profile, to scale
+        self._scaled: Dict[Tuple[Sizes, float], ModelProfile] = {}
 
     @property
     def given_up(self) -> bool:
@@ -172,7 +180,9 @@ class LayoutCosts:
         found = []
         if self.fits(sizes):
             found.append(("fitted", self._fitted_at(sizes)))
-        bound = self._bounded_at(sizes)
+        # The bound's peak is its measured shape's, scaled: its profile is worked out only
+        # where it may peak lower than the fit's (a loop meets a new shape at most steps).
+        bound = self._bounded_at(sizes, above=_peak(found[0][1]) if found else None)
         if bound is not None:
             found.append(bound)
         known = min(found, key=lambda pair: _peak(pair[1])) if found else None
@@ -181,13 +191,14 @@ class LayoutCosts:
             del self._known[next(iter(self._known))]
         return known
 
-    def _bounded_at(self, sizes: Sizes) -> Optional[Tuple[str, ModelProfile]]:
+    def _bounded_at(self, sizes: Sizes, above: Optional[int] = None) -> Optional[Tuple[str, ModelProfile]]:
         """Costs at ``sizes`` no lower than the real ones, from a measured shape: every
         term a sum of tensor sizes, of degree at most 1 in the batch and 2 in the lengths,
         none negative, so a shape at least as large in every variable bounds them as
         measured (``bounded``), and a smaller one once each term is scaled by the batch's
         growth and the square of the largest length's growth (``scaled``). The measured
-        shape whose bound peaks lowest."""
+        shape whose bound peaks lowest; None where there is none, or where that bound's
+        peak would not be below ``above``."""
         names = self.layout.names
         scaled = [
             (_growth(names, point, sizes), point) for point in self.profiles if point not in self.remeasure
@@ -195,12 +206,22 @@ class LayoutCosts:
         if not scaled:
             return None
         scale, point = min(scaled, key=lambda pair: pair[0] * _peak(self.profiles[pair[1]]))
+        if above is not None and scale * _peak(self.profiles[point]) * _SCALED_PEAK >= above:
+            return None
         if scale == 1.0:
             return "bounded", self.profiles[point]
-        single = self._single.get(point)
-        if single is None:
-            single = self._single[point] = CostFit(names, [(point, self.profiles[point])])
-        return "scaled", single.profile_at(point, scale=scale)
+        # Scaled up to the next step of a grid: still a bound, and the shapes between two
+        # steps share one profile (and so one plan, solved once).
+        scale = _SCALE_STEP ** math.ceil(math.log(scale, _SCALE_STEP) - 1e-9)
+        found = self._scaled.get((point, scale))
+        if found is None:
+            single = self._single.get(point)
+            if single is None:
+                single = self._single[point] = CostFit(names, [(point, self.profiles[point])])
+            found = self._scaled[(point, scale)] = single.profile_at(point, scale=scale)
+            while len(self._scaled) > _EVALUATED:
+                del self._scaled[next(iter(self._scaled))]
+        return "scaled", found
 
     def _fitted_at(self, sizes: Sizes) -> ModelProfile:
         assert self.fit is not None
@@ -280,6 +301,7 @@ class LayoutCosts:
         self._covered.clear()
         self._known.clear()
         self._single.clear()
+        self._scaled.clear()
         samples = list(self.profiles.items())
         try:
             self.fit = CostFit(self.layout.names, samples)
@@ -370,17 +392,3 @@ def _growth(names: Tuple[str, ...], point: Sizes, sizes: Sizes) -> float:
 
 def _peak(profile: ModelProfile) -> int:
     return profile.step.total if profile.step is not None else profile.total_activation_bytes
-
-
-def region_bytes(device: torch.device, preserve_rng_state: bool = True) -> int:
-    """What the engine keeps per checkpointed call besides its inputs, in the memory the
-    budget caps of a step on ``device``: on the CPU, the generator state it replays (an
-    accelerator's is kept in host memory)."""
-    if not preserve_rng_state or device.type != "cpu":
-        return 0
-    return _generator_state_bytes()
-
-
-@functools.lru_cache(maxsize=1)
-def _generator_state_bytes() -> int:
-    return torch.get_rng_state().untyped_storage().nbytes()

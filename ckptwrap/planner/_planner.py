@@ -19,7 +19,6 @@ time the shape changes (``strict`` raises instead: at wrap time with example inp
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import math
@@ -33,13 +32,14 @@ from .._errors import CheckpointConfigError
 from .._warn import note, warn
 from ._choose import Choice, choose, plain_peak
 from ._decision import Decision
-from ._device_memory import DeviceTerms
-from ._measuring import LayoutCosts, Layouts, PlanSettings, measuring, region_bytes
+from ._plan_cache import PlanCache
+from ._reading import BudgetReading
+from ._measuring import LayoutCosts, Layouts, PlanSettings, measuring
+from ._step import region_bytes
 from ._module_costs import ModelProfile
 from ._plan import BOUNDS
 from ._profile import _resolve_targets, measure_inputs
 from ._schedule import CheckSchedule
-from ._solver import resolve_budget
 from ._timing import dispatch_cost, selective_cost
 from ._unreal import outside_fake, step_device
 
@@ -47,8 +47,6 @@ __all__ = ["Decision", "ShapePlanner"]
 
 Sizes = Tuple[int, ...]
 
-_CACHED = 64
-"""Plans kept per planner, the most recently used."""
 _MISS = 0.01
 """A checked step above its prediction by more than this share of the un-checkpointed
 peak is a miss."""
@@ -75,27 +73,28 @@ class ShapePlanner:
         if settings.levels or settings.save_policy is not None:
             selective_cost()
         self.settings = settings
-        self.max_shapes = max_shapes
-        self.reference = 0
-        """The largest un-checkpointed peak planned for so far."""
+        self.reading = BudgetReading(settings, max_shapes)
         self._measured = 0
         self.checks = 0
         """How many steps were checked against their prediction."""
         self._layouts = Layouts(self._forget_plans)
-        self._plans: "collections.OrderedDict[Tuple[Any, ...], Choice]" = collections.OrderedDict()
-        self._plain: Dict[Tuple[Any, ...], int] = {}  # un-checkpointed peaks, beside the plans
+        self._cache = PlanCache()
         self._schedule = CheckSchedule()
         self._reset = False
         self._unreachable: Optional[Tuple[Any, ...]] = None
         # Steps measured whose profiles are taken in at the next plan: fitting allocates,
         # and the end of a backward is inside the caller's step, often at its peak.
         self._learned: List[Tuple[Decision, Optional[ModelProfile], Optional[str]]] = []
-        self.device = DeviceTerms(settings)
-        """A budget in a device's terms, and what the device holds besides the step."""
+        self.device = self.reading.device
         self.watch_base = True
         """Whether a measured step follows what the forward saves outside the candidates
         through saved-tensor hooks (off after a measured step whose backward never came:
         a graph dropped unused keeps what such hooks hold)."""
+
+    @property
+    def reference(self) -> int:
+        """The largest un-checkpointed peak planned for so far."""
+        return self.reading.reference
 
     @property
     def measurements(self) -> int:
@@ -107,18 +106,12 @@ class ShapePlanner:
         # inputs after unpickling use the default loss.
         self._take_in()
         state = dict(self.__dict__)
-        state["_plans"], state["_plain"] = collections.OrderedDict(), {}
+        state["_cache"] = PlanCache()  # keyed by the costs' identity, which a copy changes
         try:
             pickle.dumps(self.settings.loss_fn)
         except Exception:  # noqa: BLE001 - whatever stops it pickling, leave it out
             state["settings"] = dataclasses.replace(self.settings, loss_fn=None)
         return state
-
-    @property
-    def _percent(self) -> bool:
-        """Whether the budget is a share of the un-checkpointed peak."""
-        budget = self.settings.budget
-        return budget is not None and budget.parsed()[0] is not None
 
     # ------------------------------------------------------------------ training steps
 
@@ -144,11 +137,18 @@ class ShapePlanner:
         region = region_bytes(device, self.settings.preserve_rng_state)
         if costs.given_up:
             return Decision(costs, sizes, measure=False, region=region)
+        cheap = device.type not in ("cpu", "meta")
+        covered = self._cache.nothing.find((id(costs), region), sizes, self.reading.now(costs), costs.margin)
+        if covered is not None and sizes not in costs.remeasure and not costs.fits(sizes):
+            # No plan needed: what bounds this shape's step fits with nothing checkpointed
+            # (where a trusted fit stands for the shape, it is evaluated for its own
+            # predictions instead).
+            return self._solved(costs, sizes, covered, "bounded", region, cheap, fresh)
         source = costs.source_at(sizes)
         bounded = source in BOUNDS
         # A share of the plain peak at a shape larger than any measured: that peak is
         # known only by measuring it.
-        if source is None or (source == "scaled" and self._percent):
+        if source is None or (source == "scaled" and self.reading.percent):
             return Decision(costs, sizes, measure=True, region=region)
         if bounded and not costs.fits(sizes) and self._schedule.may_learn(math.prod(sizes)):
             return Decision(costs, sizes, measure=True, region=region, learn=True)
@@ -158,7 +158,14 @@ class ShapePlanner:
             # (the plan of least memory is not solved for, whose arrays the budget does
             # not bound).
             return Decision(costs, sizes, measure=True, region=region)
-        cheap = device.type not in ("cpu", "meta")
+        self._cache.nothing.add((id(costs), region), sizes, choice.budget, costs.margin, choice)
+        return self._solved(costs, sizes, choice, source, region, cheap, fresh)
+
+    def _solved(
+        self, costs: LayoutCosts, sizes: Sizes, choice: Choice, source: str, region: int, cheap: bool,
+        fresh: Callable[[], bool],
+    ) -> Decision:
+        """The decision to run ``choice``, checked against its prediction when due."""
         check = self._schedule.due(cheap=cheap, size=math.prod(sizes)) and fresh()
         reset, self._reset = self._reset and check, self._reset and not check
         return Decision(
@@ -207,7 +214,7 @@ class ShapePlanner:
         costs = decision.costs
         assert costs is not None
         plain = plain_peak(profile, self.settings.names, region_bytes=decision.region)
-        return self._budget(plain, costs), plain
+        return self.reading.at(plain, costs), plain
 
     def timed(self, decision: Decision, seconds: float) -> None:
         """The step of ``decision`` took ``seconds``, forward to end of backward."""
@@ -319,23 +326,28 @@ class ShapePlanner:
         costs are a bound (their plain peak is no reference for a share), and a budget out
         of reach under them gives None."""
         settings = self.settings
-        plain = self._plain.get((id(costs), sizes, region))
-        if plain is None:
+        plain = self._cache.plain.get((id(costs), sizes, region))
+        if plain is None and (self.reading.percent or costs.margin or self.reading.max_shapes):
             plain = plain_peak(costs.profile_at(sizes), settings.names, region_bytes=region)
-            self._plain[(id(costs), sizes, region)] = plain
-        budget = self._budget(plain, costs, reference=not bounded)
-        kept_free = int(costs.margin * plain)
-        key = (id(costs), sizes, None if budget is None else int(budget), kept_free)
-        found = self._plans.get(key)
-        if found is not None:
-            self._plans.move_to_end(key)
-            return found
+            self._cache.plain[(id(costs), sizes, region)] = plain
+        # Otherwise the solve gives the plain peak (the budget and the margin need none).
+        budget = self.reading.at(plain or 0, costs, reference=not bounded)
+        kept_free = int(costs.margin * (plain or 0))
         # A batch of one names its operators otherwise than other batches: whole modules.
         levels = settings.levels and not costs.layout.single(sizes)
+        # Solved once per profile: the shapes a measured shape bounds (or one scaled bound)
+        # share theirs, and with it their plan.
+        profile = costs.profile_at(sizes)
+        key = (id(costs), id(profile), levels, region, bounded, None if budget is None else int(budget), kept_free)
+        found = self._cache.plan(key, profile)
+        if found is not None:
+            self._solved_at(found, plain, costs, sizes, region, bounded)
+            self._say_unreachable(found, costs, sizes, model)
+            return found
         target = budget if budget is None or not kept_free else max(0, int(budget) - kept_free)
         try:
             choice = choose(
-                costs.profile_at(sizes), settings.candidates, target,
+                profile, settings.candidates, target,
                 describe=settings.budget.describe() if settings.budget is not None else "the budget",
                 segments=settings.segments, levels=levels, recompute=settings.recompute,
                 region_bytes=region, strict=strict, settle=not bounded,
@@ -351,48 +363,36 @@ class ShapePlanner:
             said.needed = error.needed
             raise said from None
         choice = dataclasses.replace(choice, budget=budget, memory=self.device.memory)
+        self._solved_at(choice, plain, costs, sizes, region, bounded)
         self.device.check_optimizer(model, strict=strict)
-        if not choice.reachable and self._unreachable != (id(costs), sizes):
-            self._unreachable = (id(costs), sizes)
-            warn(
-                f"{type(model).__name__}: no plan fits {settings.budget.describe()} "  # type: ignore[union-attr]
-                f"({_mib(int(budget or 0))}) at inputs of {costs.layout.describe(sizes)}; this "
-                f"forward runs under the plan of least memory ({_mib(choice.predicted_peak)} "
-                f"predicted). Said each time the shape changes."
-            )
-        self._plans[key] = choice
-        while len(self._plans) > _CACHED:
-            self._plans.popitem(last=False)
-        while len(self._plain) > _CACHED:
-            del self._plain[next(iter(self._plain))]
+        self._say_unreachable(choice, costs, sizes, model)
+        self._cache.keep(key, choice)
         return choice
 
-    def _budget(self, plain: int, costs: LayoutCosts, *, reference: bool = True) -> Optional[int]:
-        """The budget in bytes at a shape whose plain peak is ``plain`` (which counts for
-        the largest so far, with ``reference``); with ``max_shapes`` and trusted costs,
-        also the plain peak predicted there."""
-        budget = self.settings.budget
-        if budget is None:
-            return None
-        if reference:
-            self.reference = max(self.reference, plain)
-        if self.max_shapes and costs.fit is not None and costs.trusted:
-            try:
-                declared = costs.layout.declared(self.max_shapes)
-            except CheckpointConfigError:
-                declared = None
-            if declared is not None:
-                profile = costs.profile_at(declared)
-                self.reference = max(self.reference, plain_peak(profile, self.settings.names))
-        if self.device.in_terms:
-            return self.device.step_budget()
-        return resolve_budget(budget, self.reference)
+    def _say_unreachable(self, choice: Choice, costs: LayoutCosts, sizes: Sizes, model: nn.Module) -> None:
+        """A plan of least memory where no plan fits: said each time the shape changes."""
+        if choice.reachable or self._unreachable == (id(costs), sizes):
+            return
+        self._unreachable = (id(costs), sizes)
+        warn(
+            f"{type(model).__name__}: no plan fits {self.settings.budget.describe()} "  # type: ignore[union-attr]
+            f"({_mib(int(choice.budget or 0))}) at inputs of {costs.layout.describe(sizes)}; this "
+            f"forward runs under the plan of least memory ({_mib(choice.predicted_peak)} "
+            f"predicted). Said each time the shape changes."
+        )
+
+    def _solved_at(
+        self, choice: Choice, plain: Optional[int], costs: LayoutCosts, sizes: Sizes, region: int, bounded: bool
+    ) -> Choice:
+        """``choice`` at ``sizes``: its plain peak kept as the shape's, and as a reference."""
+        if plain is None:
+            self._cache.plain[(id(costs), sizes, region)] = choice.plain_peak
+            if not bounded:
+                self.reading.reference = max(self.reading.reference, choice.plain_peak)
+        return choice
 
     def _forget_plans(self, costs: LayoutCosts) -> None:
-        for key in [key for key in self._plans if key[0] == id(costs)]:
-            del self._plans[key]
-        for key in [key for key in self._plain if key[0] == id(costs)]:
-            del self._plain[key]
+        self._cache.forget(id(costs))
 
 
 def _mib(n: int) -> str:

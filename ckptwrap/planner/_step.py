@@ -15,11 +15,14 @@ shapes rather than only their maximum.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Dict, List, Tuple
+
+import torch
 
 from ._phases import Phase
 
-__all__ = ["END", "StepPeaks", "by_phase"]
+__all__ = ["END", "StepPeaks", "by_phase", "region_bytes"]
 
 END = "end"
 """The key of the end of the forward in :attr:`StepPeaks.moments` and ``seconds``."""
@@ -133,3 +136,17 @@ def _runs(calls: List[Phase]) -> Tuple[Tuple[int, ...], ...]:
         moments = phase.moments if known is None else tuple(map(max, known, phase.moments))
         runs[len(phase.moments)] = moments
     return tuple(runs[length] for length in sorted(runs))
+
+
+def region_bytes(device: torch.device, preserve_rng_state: bool = True) -> int:
+    """What the engine keeps per checkpointed call besides its inputs, in the memory the
+    budget caps of a step on ``device``: on the CPU, the generator state it replays (an
+    accelerator's is kept in host memory)."""
+    if not preserve_rng_state or device.type != "cpu":
+        return 0
+    return _generator_state_bytes()
+
+
+@functools.lru_cache(maxsize=1)
+def _generator_state_bytes() -> int:
+    return torch.get_rng_state().untyped_storage().nbytes()

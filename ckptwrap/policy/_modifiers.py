@@ -67,9 +67,14 @@ class Budget(_Modifier):
 
     amount: str
     """The budget as written, e.g. ``"40%"``, ``"512MiB"``, ``"total=80GiB"`` or ``"device"``."""
+    _read: Tuple[Optional[float], Optional[int]] = dataclasses.field(
+        init=False, repr=False, compare=False, default=(None, None)
+    )
 
     def __post_init__(self) -> None:
-        self.parsed()  # reject a malformed amount when the policy is built
+        # A malformed amount is refused when the policy is built; read once (a planner
+        # asks at every training forward).
+        object.__setattr__(self, "_read", self._parse())
 
     def describe(self) -> str:
         return f"budget:{self.amount}"
@@ -84,6 +89,10 @@ class Budget(_Modifier):
         return "total" if _TOTAL.fullmatch(text) else "step"
 
     def parsed(self) -> Tuple[Optional[float], Optional[int]]:
+        """The amount as read when the term was made (see :meth:`_parse`)."""
+        return self._read
+
+    def _parse(self) -> Tuple[Optional[float], Optional[int]]:
         """(fraction of the un-checkpointed step's peak, None) or (None, bytes): bytes of
         the step, or of the whole device for ``total=SIZE``; (None, None) for ``device``
         (read from the device when planned).

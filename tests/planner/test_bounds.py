@@ -219,3 +219,72 @@ def test_a_bound_out_of_reach_is_given_up_without_the_unbounded_search(monkeypat
     with pytest.raises(ckptwrap.CheckpointConfigError, match="below the smallest reachable peak"):
         _solver.solve_budget(items, 500, base=0)
     assert None in budgets[1:]  # settling searches without a budget
+
+
+def _count(monkeypatch, module: str, name: str) -> list:
+    """Calls of ``module.name`` (``ckptwrap.planner`` modules), counted."""
+    import importlib
+
+    owner = importlib.import_module(module)
+    calls: list = []
+    original = getattr(owner, name)
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
+def test_shapes_one_measured_shape_bounds_share_one_solve(monkeypatch):
+    """A loop with dynamic padding meets a new shape at most steps: those one measured
+    shape bounds are solved on the same costs, so once, not once per shape."""
+    _no_learning(monkeypatch)
+    model, plain, budget = _budgeted((4, 128))
+    largest = _run(model, plain, budget, 4, 192, 0)  # measured: bounds all below
+    solves = _count(monkeypatch, "ckptwrap.planner._planner", "choose")
+    plans = []
+    for rows, length in [(4, 180), (3, 150), (4, 121), (2, 190), (3, 177), (4, 160)]:
+        largest = _run(model, plain, budget, rows, length, largest)
+        assert _hook(model)._step.decision.source == "bounded"
+        plans.append(model.ckptwrap_plan.names)
+    assert len(solves) == 1, len(solves)
+    assert all(names == plans[0] for names in plans) and plans[0]  # checkpointed, within the budget
+
+
+def test_scaled_shapes_between_two_grid_steps_share_one_bound(monkeypatch):
+    _no_learning(monkeypatch)
+    model, plain, budget = _budgeted((4, 200))
+    largest = _run(model, plain, budget, 4, 160, 0)
+    solves = _count(monkeypatch, "ckptwrap.planner._planner", "choose")
+    # (length / 160) ** 2 of 1.0125 and 1.025: within one step of the grid (2 ** (1/16)).
+    for length in (161, 162):
+        largest = _run(model, plain, budget, 4, length, largest)
+        assert _hook(model)._step.decision.source == "scaled"
+    assert len(solves) == 1
+    costs = _planner(model)._layouts.of(_batch(4, 160), {})[0]
+    bounds = [costs.profile_at((4, length)) for length in (161, 162)]
+    assert bounds[0] is bounds[1]
+    measured_peak = costs.profiles[(4, 160)].step.total
+    assert bounds[0].step.total >= (162 / 160) ** 2 * measured_peak - 64  # still a bound
+
+
+def test_a_shape_below_one_that_fitted_with_nothing_checkpointed_is_not_evaluated(monkeypatch):
+    """Where a larger shape's step fitted the budget with nothing checkpointed, a smaller
+    one needs no plan: no costs are evaluated, nothing solved, nothing checkpointed."""
+    _no_learning(monkeypatch)
+    model, plain, budget = _budgeted((4, 256))  # far above the plain peak at 4 x 100
+    largest = _run(model, plain, budget, 4, 100, 0)  # measured
+    largest = _run(model, plain, budget, 4, 96, largest)  # bounded: solved, nothing needed
+    assert model.ckptwrap_plan.names == []
+    from ckptwrap.planner._measuring import LayoutCosts
+
+    sources = []
+    original = LayoutCosts.source_at
+    monkeypatch.setattr(LayoutCosts, "source_at", lambda self, sizes: sources.append(sizes) or original(self, sizes))
+    solves = _count(monkeypatch, "ckptwrap.planner._planner", "choose")
+    for rows, length in [(4, 90), (3, 96), (2, 50), (1, 7)]:
+        largest = _run(model, plain, budget, rows, length, largest)
+        assert model.ckptwrap_plan.names == [] and model.ckptwrap_plan.costs_from == "bounded"
+    assert sources == [] and solves == []

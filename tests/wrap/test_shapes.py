@@ -124,7 +124,7 @@ def unbounded(monkeypatch):
     (bounds, and the steps they save, are ``tests/planner/test_bounds.py``'s)."""
     from ckptwrap.planner._measuring import LayoutCosts
 
-    monkeypatch.setattr(LayoutCosts, "_bounded_at", lambda self, sizes: None)
+    monkeypatch.setattr(LayoutCosts, "_bounded_at", lambda self, sizes, above=None: None)
 
 
 def _budget_at(model: torch.nn.Module, length: int, share: float) -> int:
