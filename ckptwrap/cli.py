@@ -25,7 +25,7 @@ from ._errors import CheckpointConfigError, CheckpointError
 from ._frontier import Point, frontier_candidates, pareto_points
 from .diagnostics import main as doctor_main
 from .planner import OPTIMIZERS, profile_modules
-from .policy import Budget
+from .policy import Budget, as_policy, split_modifiers
 from .wrap import Plan, plan_and_profile
 
 __all__ = ["main"]
@@ -214,7 +214,7 @@ def _with_device_memory(policy: str, memory: Optional[str]) -> str:
     """``policy`` with ``budget:total=SIZE`` (or ``budget:device``) for ``--device-memory``."""
     if memory is None:
         return policy
-    if "budget:" in policy.replace(" ", ""):
+    if split_modifiers(as_policy(policy))[1] is not None:
         raise UsageError(
             f"--device-memory {memory} is a budget, and --policy {policy!r} has one already: "
             f"give one of them (budget:total=SIZE in the policy is --device-memory SIZE)"

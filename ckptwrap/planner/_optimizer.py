@@ -111,7 +111,8 @@ def optimizer_costs(model: nn.Module, spec: OptimizerSpec, accelerator: bool) ->
                 counter = StorageCounter("cpu")
                 with mode, RealWhereItCan(fake), counter:
                     # Some optimizers make their state when made (Adagrad), most at the first step.
-                    optimizer = optimizer or _build(spec, groups)
+                    if optimizer is None:
+                        optimizer = _build(spec, groups)
                     optimizer.step()
                 counters.append(counter)
         except CheckpointConfigError:

@@ -8,7 +8,7 @@ without evaluating a fit or solving).
 from __future__ import annotations
 
 import collections
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from ._choose import Choice
 
@@ -38,16 +38,23 @@ class NothingNeeded:
     def __init__(self) -> None:
         self._found: Dict[Tuple[int, int], List[_Fitted]] = {}
 
-    def find(self, key: Tuple[int, int], sizes: Sizes, budget: Optional[int], margin: float) -> Optional[Choice]:
+    def find(
+        self, key: Tuple[int, int], sizes: Sizes, budget: Callable[[], Optional[int]], margin: float
+    ) -> Optional[Choice]:
         """The plan of a shape at least as large as ``sizes`` in every variable that
-        checkpointed nothing under a budget no larger and the same margin, if any: its
+        checkpointed nothing under a budget no larger than ``budget()`` (read only where
+        there is such a shape to compare with) and the same margin, if any: its
         predictions bound this shape's."""
-        if budget is None:
+        found = self._found.get(key)
+        if not found:
             return None
-        for fitted in self._found.get(key, ()):
+        now = budget()
+        if now is None:
+            return None
+        for fitted in found:
             if (
                 fitted.margin == margin
-                and fitted.budget <= budget
+                and fitted.budget <= now
                 and all(size <= most for size, most in zip(sizes, fitted.sizes))
             ):
                 return fitted.choice

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import pickle
 from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
@@ -138,11 +139,12 @@ class ShapePlanner:
         if costs.given_up:
             return Decision(costs, sizes, measure=False, region=region)
         cheap = device.type not in ("cpu", "meta")
-        covered = self._cache.nothing.find((id(costs), region), sizes, self.reading.now(costs), costs.margin)
+        covered = self._cache.nothing.find(
+            (id(costs), region), sizes, functools.partial(self.reading.now, costs), costs.margin
+        )
         if covered is not None and sizes not in costs.remeasure and not costs.fits(sizes):
             # No plan needed: what bounds this shape's step fits with nothing checkpointed
-            # (where a trusted fit stands for the shape, it is evaluated for its own
-            # predictions instead).
+            # (a shape a trusted fit stands for gets its own predictions instead).
             return self._solved(costs, sizes, covered, "bounded", region, cheap, fresh)
         source = costs.source_at(sizes)
         bounded = source in BOUNDS
@@ -326,9 +328,10 @@ class ShapePlanner:
         costs are a bound (their plain peak is no reference for a share), and a budget out
         of reach under them gives None."""
         settings = self.settings
+        profile = costs.profile_at(sizes)
         plain = self._cache.plain.get((id(costs), sizes, region))
         if plain is None and (self.reading.percent or costs.margin or self.reading.max_shapes):
-            plain = plain_peak(costs.profile_at(sizes), settings.names, region_bytes=region)
+            plain = plain_peak(profile, settings.names, region_bytes=region)
             self._cache.plain[(id(costs), sizes, region)] = plain
         # Otherwise the solve gives the plain peak (the budget and the margin need none).
         budget = self.reading.at(plain or 0, costs, reference=not bounded)
@@ -337,7 +340,6 @@ class ShapePlanner:
         levels = settings.levels and not costs.layout.single(sizes)
         # Solved once per profile: the shapes a measured shape bounds (or one scaled bound)
         # share theirs, and with it their plan.
-        profile = costs.profile_at(sizes)
         key = (id(costs), id(profile), levels, region, bounded, None if budget is None else int(budget), kept_free)
         found = self._cache.plan(key, profile)
         if found is not None:
@@ -383,13 +385,12 @@ class ShapePlanner:
 
     def _solved_at(
         self, choice: Choice, plain: Optional[int], costs: LayoutCosts, sizes: Sizes, region: int, bounded: bool
-    ) -> Choice:
+    ) -> None:
         """``choice`` at ``sizes``: its plain peak kept as the shape's, and as a reference."""
         if plain is None:
             self._cache.plain[(id(costs), sizes, region)] = choice.plain_peak
             if not bounded:
                 self.reading.reference = max(self.reading.reference, choice.plain_peak)
-        return choice
 
     def _forget_plans(self, costs: LayoutCosts) -> None:
         self._cache.forget(id(costs))
