@@ -119,16 +119,19 @@ class CostItem:
             object.__setattr__(self, "call_kept", self.kept)
         if self.call_inputs is None:
             object.__setattr__(self, "call_inputs", self.inputs)
-        for field in (
-            "kept", "inputs", "rebuilt", "before", "joins", "grads", "recompute_grads", "saved",
-            "forward", "call_kept", "call_inputs",
-        ):
+        # Items are made for every plan solved, mostly from items already checked: what is
+        # plainly right is taken as it is, and only the rest checked (and said) in full.
+        for field in _BYTE_FIELDS:
             value = getattr(self, field)
-            if field in ("before", "joins") and value is None:
+            if (type(value) is int and value >= 0) or (value is None and field in _OPTIONAL):
                 continue
             object.__setattr__(self, field, _check_bytes(value, f"cost item {self.name!r}: {field}"))
-        object.__setattr__(self, "time", _check_time(self.time, f"cost item {self.name!r}: time"))
-        object.__setattr__(self, "options", self._checked_options())
+        time = self.time
+        if not (type(time) is float and 0.0 <= time < math.inf):
+            object.__setattr__(self, "time", _check_time(time, f"cost item {self.name!r}: time"))
+        options = self.options
+        if not (type(options) is tuple and all(map(_plain_option, options))):
+            object.__setattr__(self, "options", self._checked_options())
 
     def _checked_options(self) -> Tuple[CostOption, ...]:
         options = self.options
@@ -156,6 +159,22 @@ class CostItem:
 
 
 Group = Tuple[int, ...]
+
+_BYTE_FIELDS = (
+    "kept", "inputs", "rebuilt", "before", "joins", "grads", "recompute_grads", "saved",
+    "forward", "call_kept", "call_inputs",
+)
+_OPTIONAL = ("before", "joins")
+
+
+def _plain_option(option: object) -> bool:
+    """Whether ``option`` is a CostOption whose terms are already what checking makes them."""
+    return (
+        type(option) is CostOption
+        and type(option.inputs) is int and option.inputs >= 0  # type: ignore[attr-defined]
+        and type(option.rebuilt) is int and option.rebuilt >= 0  # type: ignore[attr-defined]
+        and type(option.time) is float and 0.0 <= option.time < math.inf  # type: ignore[attr-defined]
+    )
 
 
 def predicted_peak(

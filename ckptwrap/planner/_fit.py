@@ -52,6 +52,8 @@ _OVER_SHARE = 0.001
 _COUNT_FIELDS = ("calls", "position", "first_position")
 _SHAPE_FIELDS = ("kind", "called", "joins_previous")
 _SPAN_TOLERANCE = 1e-6
+_OTHERS = ("total_activation_bytes", "base_bytes", "step")
+"""The terms of a profile not a candidate's: kept by key for the step's tables."""
 
 
 class ShapesDiffer(Exception):
@@ -122,6 +124,13 @@ class CostFit:
             columns.extend([float(trace[k]) for trace in traces] for k in range(len(traces[0])))
         self._moments = fit_columns(self.powers, points, columns)[0] if columns else None
         self._timings = self._time(samples)
+        # Where each term sits among the fitted values, worked out once: a profile is
+        # evaluated at most new shapes a loop meets, and has hundreds of terms.
+        at = {key: position for position, key in enumerate(self.keys)}
+        self._counted = [position for position, key in enumerate(self.keys) if _counts(key)]
+        self._steady_at = [(at[key], value) for key, value in self._steady.items()]
+        self._terms = [_Terms.of(cost, at) for cost in self.template.modules]
+        self._others = [(key, position) for key, position in at.items() if key.partition("/")[0] in _OTHERS]
 
     # ------------------------------------------------------------------ evaluation
 
@@ -142,15 +151,22 @@ class CostFit:
         """The fitted profile at ``sizes``; with ``scale``, every byte and FLOP of it that
         many times as large (counts of calls as they are)."""
         sizes = tuple(int(size) for size in sizes)
-        ints = dict(zip(self.keys, (round(v) for v in self._ints.at(sizes))))
-        ints.update(self._steady)
+        values = [round(v) for v in self._ints.at(sizes)]
+        for position, value in self._steady_at:
+            values[position] = value
         if scale != 1.0:
-            ints = {key: value if _counts(key) else round(value * scale) for key, value in ints.items()}
+            unscaled, values = values, [round(value * scale) for value in values]
+            for position in self._counted:
+                values[position] = unscaled[position]
         peaks: Dict[str, float] = {}
         if self._moments is not None:
             moments = [value * scale for value in self._moments.at(sizes)]
             peaks = {key: max(moments[start:stop]) for key, (start, stop) in self._slices.items()}
-        modules = tuple(self._module(cost, ints, peaks, sizes) for cost in self.template.modules)
+        ints = {key: values[position] for key, position in self._others}
+        modules = tuple(
+            self._module(cost, terms, values, peaks, ints["base_bytes"])
+            for cost, terms in zip(self.template.modules, self._terms)
+        )
         return ModelProfile(
             modules=modules,
             total_activation_bytes=max(0, ints["total_activation_bytes"]),
@@ -190,34 +206,36 @@ class CostFit:
             timings[cost.name] = _Timing(overhead, rate)
         return timings
 
-    def _module(self, cost: ModuleCost, ints: Mapping[str, int], peaks: Mapping[str, float], sizes: Sizes) -> ModuleCost:
-        name = cost.name
-        values: Dict[str, Any] = {field: max(0, ints[f"{name}/{field}"]) for field in _INT_FIELDS}
-        values.update((field, ints[f"{name}/{field}"]) for field in _COUNT_FIELDS)
-        if f"{name}/forward" in peaks:
-            values["forward_peak_bytes"] = max(0, round(peaks[f"{name}/forward"]))
-        if cost.base_before_bytes is not None:
+    def _module(
+        self, cost: ModuleCost, terms: "_Terms", values: List[int], peaks: Mapping[str, float], base: int
+    ) -> ModuleCost:
+        fields: Dict[str, Any] = {field: max(0, values[position]) for field, position in terms.ints}
+        fields.update((field, values[position]) for field, position in terms.counts)
+        forward = peaks.get(terms.forward)
+        if forward is not None:
+            fields["forward_peak_bytes"] = max(0, round(forward))
+        if terms.base_before is not None:
             # A part of the base, as measured; a fit must not make it more.
-            values["base_before_bytes"] = min(max(0, ints[f"{name}/base_before_bytes"]), max(0, ints["base_bytes"]))
-        values["self_saved_input_bytes"] = min(values["self_saved_input_bytes"], values["input_bytes"])
-        values["call_kept_bytes"] = min(values["call_kept_bytes"], values["kept_bytes"])
-        values["handed_over_bytes"] = min(values["handed_over_bytes"], values["kept_bytes"])
-        work = _work_of(values)
-        timing = self._timings.get(name)
+            fields["base_before_bytes"] = min(max(0, values[terms.base_before]), max(0, base))
+        fields["self_saved_input_bytes"] = min(fields["self_saved_input_bytes"], fields["input_bytes"])
+        fields["call_kept_bytes"] = min(fields["call_kept_bytes"], fields["kept_bytes"])
+        fields["handed_over_bytes"] = min(fields["handed_over_bytes"], fields["kept_bytes"])
+        work = _work_of(fields)
+        timing = self._timings.get(cost.name)
         seconds = cost.forward_time if timing is None else timing.seconds(work)
         # One construction per operator (a profile has hundreds: evaluated at every new shape).
         share = timing.overhead / len(cost.ops) if timing is not None and cost.ops else 0.0
         ops = []
-        for k, op in enumerate(cost.ops):
-            nbytes = max(0, ints.get(f"{name}/op{k}/bytes", op.bytes))
-            flops = max(0, ints.get(f"{name}/op{k}/flops", op.flops))
+        for op, (at_bytes, at_flops) in zip(cost.ops, terms.ops):
+            nbytes = max(0, op.bytes if at_bytes is None else values[at_bytes])
+            flops = max(0, op.flops if at_flops is None else values[at_flops])
             spent = op.time if timing is None else share + timing.rate * (flops + _BYTES_PER_FLOP * nbytes)
             ops.append(OpCost(op.op, op.occurrence, nbytes, op.saved, flops, spent, op.mutated))
         recompute = None
         if cost.recompute_time is not None and cost.forward_time > 0:
             recompute = seconds * cost.recompute_time / cost.forward_time
         return dataclasses.replace(
-            cost, **values, forward_time=seconds, recompute_time=recompute, ops=tuple(ops), forward_moments=(),
+            cost, **fields, forward_time=seconds, recompute_time=recompute, ops=tuple(ops), forward_moments=(),
         )
 
     def _step(self, ints: Mapping[str, int], peaks: Mapping[str, float]) -> Optional[StepPeaks]:
@@ -242,6 +260,30 @@ class CostFit:
         return StepPeaks(
             tables["forward"], end, tables["recompute"], tables["backward"], total,
             at_allocator=template.at_allocator,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Terms:
+    """Where one candidate's terms sit among a fit's values: ``(field, position)`` of its
+    byte and count fields, its base share's position, and per operator the positions of
+    its bytes and FLOPs (None: not fitted, the template's)."""
+
+    ints: Tuple[Tuple[str, int], ...]
+    counts: Tuple[Tuple[str, int], ...]
+    base_before: Optional[int]
+    forward: str
+    ops: Tuple[Tuple[Optional[int], Optional[int]], ...]
+
+    @classmethod
+    def of(cls, cost: ModuleCost, at: Mapping[str, int]) -> "_Terms":
+        name = cost.name
+        return cls(
+            ints=tuple((field, at[f"{name}/{field}"]) for field in _INT_FIELDS),
+            counts=tuple((field, at[f"{name}/{field}"]) for field in _COUNT_FIELDS),
+            base_before=None if cost.base_before_bytes is None else at[f"{name}/base_before_bytes"],
+            forward=f"{name}/forward",
+            ops=tuple((at.get(f"{name}/op{k}/bytes"), at.get(f"{name}/op{k}/flops")) for k in range(len(cost.ops))),
         )
 
 

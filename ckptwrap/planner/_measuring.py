@@ -120,6 +120,9 @@ def measuring() -> Iterator[None]:
 
 _SCALE_STEP = 2 ** (1 / 16)
 """The grid a scaled bound's factor is rounded up to (steps of 4.4%)."""
+_SCALE_REUSE = _SCALE_STEP ** 2 * (1 + 1e-9)
+"""How much larger than its own a scaled bound already worked out may be and still be
+taken (two steps of the grid, 9%): a new shape then costs no evaluation and no solve."""
 _SCALED_PEAK = 0.999
 """A scaled bound's peak against its measured shape's times the scale (counts of calls do
 not scale): what it is at least, for telling whether it may peak below a fit."""
@@ -211,8 +214,12 @@ class LayoutCosts:
         if scale == 1.0:
             return "bounded", self.profiles[point]
         # Scaled up to the next step of a grid: still a bound, and the shapes between two
-        # steps share one profile (and so one plan, solved once).
+        # steps share one profile (and so one plan, solved once). A profile already
+        # worked out a step or two higher is a bound too, and its plan is solved already.
         scale = _SCALE_STEP ** math.ceil(math.log(scale, _SCALE_STEP) - 1e-9)
+        near = [s for p, s in self._scaled if p == point and scale <= s <= scale * _SCALE_REUSE]
+        if near:
+            scale = min(near)
         found = self._scaled.get((point, scale))
         if found is None:
             single = self._single.get(point)

@@ -270,6 +270,29 @@ def test_scaled_shapes_between_two_grid_steps_share_one_bound(monkeypatch):
     assert bounds[0].step.total >= (162 / 160) ** 2 * measured_peak - 64  # still a bound
 
 
+def test_a_scaled_bound_worked_out_a_step_or_two_higher_is_taken_as_it_is(monkeypatch):
+    """A shape whose scaled bound falls one or two steps of the grid below one already
+    worked out (from the same measured shape) is planned from that one: a larger bound,
+    its plan solved already. One further below gets its own, solved once."""
+    _no_learning(monkeypatch)
+    model, plain, budget = _budgeted((4, 200))
+    largest = _run(model, plain, budget, 4, 160, 0)
+    solves = _count(monkeypatch, "ckptwrap.planner._planner", "choose")
+    seen = {}
+    # (length / 160) ** 2 on the grid of 2 ** (1/16): steps 6, 4, 2 and 2.
+    for length in (180, 172, 166, 164):
+        largest = _run(model, plain, budget, 4, length, largest)
+        assert _hook(model)._step.decision.source == "scaled"
+        costs = _planner(model)._layouts.of(_batch(4, 160), {})[0]
+        measured_peak = costs.profiles[(4, 160)].step.total
+        seen[length] = costs.profile_at((4, length))
+        assert seen[length].step.total >= (length / 160) ** 2 * measured_peak - 64  # a bound
+    assert seen[172] is seen[180]  # two steps below: taken as it is
+    assert seen[166] is not seen[180] and seen[166].step.total < seen[180].step.total
+    assert seen[164] is seen[166]
+    assert len(solves) == 2  # 180's and 166's
+
+
 def test_a_shape_below_one_that_fitted_with_nothing_checkpointed_is_not_evaluated(monkeypatch):
     """Where a larger shape's step fitted the budget with nothing checkpointed, a smaller
     one needs no plan: no costs are evaluated, nothing solved, nothing checkpointed."""
