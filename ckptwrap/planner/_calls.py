@@ -237,6 +237,6 @@ def _timed_ops(ops: Tuple[Any, ...], seconds: float) -> Tuple[Any, ...]:
     even = seconds * (_SPREAD if total > 0 else 1.0) / len(ops)
     by_work = seconds * (1 - _SPREAD)
     return tuple(
-        OpCost(op.op, op.occurrence, op.bytes, op.saved, op.flops, even + (by_work * w / total if total > 0 else 0.0), op.mutated)
+        dataclasses.replace(op, time=even + (by_work * w / total if total > 0 else 0.0))
         for op, w in zip(ops, work)
     )

@@ -230,7 +230,7 @@ class CostFit:
             nbytes = max(0, op.bytes if at_bytes is None else values[at_bytes])
             flops = max(0, op.flops if at_flops is None else values[at_flops])
             spent = op.time if timing is None else share + timing.rate * (flops + _BYTES_PER_FLOP * nbytes)
-            ops.append(OpCost(op.op, op.occurrence, nbytes, op.saved, flops, spent, op.mutated))
+            ops.append(OpCost(op.op, op.occurrence, nbytes, op.saved, flops, spent, op.mutated, op.random))
         recompute = None
         if cost.recompute_time is not None and cost.forward_time > 0:
             recompute = seconds * cost.recompute_time / cost.forward_time
@@ -329,7 +329,7 @@ def _ops_lined_up(profiles: Sequence[ModelProfile]) -> Set[str]:
     """The candidates whose operators are the same at every shape (a batch of one, or a
     loop over the length, runs others): only theirs are fitted and offer levels."""
     def listed(cost: ModuleCost) -> Tuple[Any, ...]:
-        return tuple((op.op, op.occurrence, op.saved, op.mutated) for op in cost.ops)
+        return tuple((op.op, op.occurrence, op.saved, op.mutated, op.random) for op in cost.ops)
 
     names = set()
     for cost in profiles[0].modules:

@@ -49,7 +49,8 @@ def selective_levels(
     only an addition, say) makes the checkpoint hold it from forward to backward, and yet
     the recomputation must still rebuild everything backward needs: memory spent, nothing
     held less and little time gained. Outputs a later operator writes into in place
-    cannot be saved at all. The calls are taken in order of time saved per byte (ties by
+    cannot be saved at all, nor those of an operator that drew random numbers (the
+    recomputation must draw them again, in order). The calls are taken in order of time saved per byte (ties by
     position), and each prefix of that order is a level: it keeps ``item.inputs`` plus
     the saved bytes, rebuilds what recomputation still must (as ``cost_item`` reckons it,
     with the saved bytes taken off), and costs the recompute time less the saved calls',
@@ -80,7 +81,7 @@ def selective_levels(
     times = [op.time for op in ops] if op_times is None else list(op_times)
     chosen = [
         (position, op) for position, op in enumerate(ops)
-        if op.bytes > 0 and op.saved and not op.mutated
+        if op.bytes > 0 and op.saved and not op.mutated and not op.random
     ]
     if not chosen:
         return ()
@@ -148,7 +149,7 @@ def pooled_levels(pairs: Sequence[Tuple[Any, CostItem]]) -> List[Tuple[Level, ..
 def _alike(cost: Any, item: CostItem) -> Tuple[Any, ...]:
     """What must match for two candidates to share their levels: all but times."""
     ops = tuple(
-        (op.op, op.occurrence, op.bytes, op.saved, op.mutated)
+        (op.op, op.occurrence, op.bytes, op.saved, op.mutated, op.random)
         for op in (getattr(cost, "ops", ()) or ())
     )
     return (

@@ -203,9 +203,7 @@ class LayoutCosts:
         shape whose bound peaks lowest; None where there is none, or where that bound's
         peak would not be below ``above``."""
         names = self.layout.names
-        scaled = [
-            (_growth(names, point, sizes), point) for point in self.profiles if point not in self.remeasure
-        ]
+        scaled = [(_growth(names, point, sizes), point) for point in self.profiles if point not in self.remeasure]
         if not scaled:
             return None
         scale, point = min(scaled, key=lambda pair: pair[0] * _peak(self.profiles[pair[1]]))
@@ -217,9 +215,7 @@ class LayoutCosts:
         # steps share one profile (and so one plan, solved once). A profile already
         # worked out a step or two higher is a bound too, and its plan is solved already.
         scale = _SCALE_STEP ** math.ceil(math.log(scale, _SCALE_STEP) - 1e-9)
-        near = [s for p, s in self._scaled if p == point and scale <= s <= scale * _SCALE_REUSE]
-        if near:
-            scale = min(near)
+        scale = min((s for p, s in self._scaled if p == point and scale <= s <= scale * _SCALE_REUSE), default=scale)
         found = self._scaled.get((point, scale))
         if found is None:
             single = self._single.get(point)

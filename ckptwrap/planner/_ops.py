@@ -22,7 +22,7 @@ from torch.utils.flop_counter import flop_registry
 
 from ..measure import StorageMap, Tally, outputs_of, tensor_storages, tensors
 
-__all__ = ["OpCost", "OpRecorder", "merge_calls", "packet_name"]
+__all__ = ["OpCost", "OpRecorder", "draws_random", "merge_calls", "packet_name"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +31,7 @@ class OpCost:
 
     Example:
         >>> OpCost("mm", 0, bytes=4096, saved=True, flops=65536, time=2e-06)
-        OpCost(op='mm', occurrence=0, bytes=4096, saved=True, flops=65536, time=2e-06, mutated=False)
+        OpCost(op='mm', occurrence=0, bytes=4096, saved=True, flops=65536, time=2e-06, mutated=False, random=False)
     """
 
     op: str
@@ -51,6 +51,10 @@ class OpCost:
     """Whether a later operator wrote into one of its new storages in place (dropout's
     mask, filled after ``empty_like``): selective checkpointing cannot save such an
     output, since the copy it keeps would no longer be the one the forward used."""
+    random: bool = False
+    """Whether it drew random numbers (dropout, attention with dropout; see
+    :func:`draws_random`): never saved, so that the recomputation draws what the forward
+    drew."""
 
     @property
     def instance(self) -> Tuple[str, int]:
@@ -60,6 +64,54 @@ class OpCost:
     def to_dict(self) -> Dict[str, Any]:
         """The fields as a JSON-friendly dict."""
         return dataclasses.asdict(self)
+
+
+def draws_random(func: Any, args: Tuple[Any, ...] = (), kwargs: Optional[Dict[str, Any]] = None) -> bool:
+    """Whether this call of ``func`` draws from a random number generator: an operator
+    torch tags as seeded-nondeterministic (dropout, ``rand``, ``bernoulli``, fused
+    attention and recurrent kernels), unless its arguments say it draws nothing here (a
+    ``dropout_p`` or ``dropout`` of 0, ``train=False``).
+
+    A selective checkpoint must never save such an output: the recomputation replays the
+    forward's generator state and draws the same numbers only if it runs every operator
+    that drew, in order; a saved one is skipped, and every draw after it in the region
+    shifts (different dropout masks, inexact gradients). On a GPU the fused dropout and
+    attention kernels are such operators.
+
+    Example:
+        >>> draws_random(torch.ops.aten.native_dropout.default)
+        True
+        >>> draws_random(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+        ...              (None, None, None, 0.0))
+        False
+    """
+    rates = _random_rates(func)
+    if rates is None:
+        return False
+    kwargs = kwargs or {}
+    for position, name, default in rates:
+        value = kwargs.get(name, default) if position >= len(args) else args[position]
+        if name == "train" and value is False:
+            return False
+        if name in ("dropout_p", "dropout") and value == 0:
+            return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _random_rates(func: Any) -> Optional[Tuple[Tuple[int, str, Any], ...]]:
+    """None if ``func`` never draws; else (position, name, default) of its arguments that
+    may say it draws nothing (``dropout_p``, ``dropout``, ``train``)."""
+    if torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
+        return None
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return ()
+    return tuple(
+        (position, argument.name, argument.default_value if argument.has_default_value() else None)
+        for position, argument in enumerate(schema.arguments)
+        if argument.name in ("dropout_p", "dropout", "train")
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -107,7 +159,7 @@ class OpRecorder(_Counted):
         # Every storage met so far, with the entry of the operator that created it (None
         # for those the module was given).
         self._seen: StorageMap[Optional[List[Any]]] = StorageMap()
-        self._ops: List[List[Any]] = []  # [name, occurrence, bytes, saved, flops, mutated]
+        self._ops: List[List[Any]] = []  # [name, occurrence, bytes, saved, flops, mutated, random]
         self.flops = 0
         """FLOPs of the operators recorded, as ``FlopCounterMode`` counts them."""
         self.created_bytes = 0
@@ -131,7 +183,7 @@ class OpRecorder(_Counted):
                 owner = self._seen.get(storage)
                 if owner is not None:
                     owner[5] = True
-        entry = [name, occurrence, 0, False, op_flops(func, out, args, kwargs), False]
+        entry = [name, occurrence, 0, False, op_flops(func, out, args, kwargs), False, draws_random(func, args, kwargs)]
         self.flops += entry[4]
         if fresh is not False:
             # New storages: outputs no tensor had before (an output of the schema's
@@ -151,7 +203,7 @@ class OpRecorder(_Counted):
 
     def ops(self) -> List[OpCost]:
         """What was recorded, in call order."""
-        return [OpCost(*entry[:5], mutated=entry[5]) for entry in self._ops]
+        return [OpCost(*entry[:5], mutated=entry[5], random=entry[6]) for entry in self._ops]
 
 
 class _Saved:
@@ -208,6 +260,9 @@ def merge_calls(so_far: Optional[List[OpCost]], call: List[OpCost], first: bool)
     if so_far is None or [op.instance for op in so_far] != [op.instance for op in call]:
         return None
     return [
-        OpCost(a.op, a.occurrence, a.bytes + b.bytes, a.saved or b.saved, a.flops + b.flops, a.time, a.mutated or b.mutated)
+        OpCost(
+            a.op, a.occurrence, a.bytes + b.bytes, a.saved or b.saved, a.flops + b.flops, a.time,
+            a.mutated or b.mutated, a.random or b.random,
+        )
         for a, b in zip(so_far, call)
     ]

@@ -1,4 +1,7 @@
 """Selective checkpointing: save chosen operators' outputs, recompute everything else.
+An operator call that drew random numbers (dropout, attention with dropout) is always
+recomputed, named or not: the recomputation replays the forward's generator state, and
+draws what the forward drew only if it runs every such call again, in order.
 
 ``SelectiveContexts`` (the ``selective`` tier) saves every call of the named operators;
 ``SavedInstances`` (a budget plan's selective level) saves chosen calls, named by operator
@@ -20,7 +23,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from .. import _torch_private
 from .._errors import CheckpointError
-from ..planner import packet_name
+from ..planner import draws_random, packet_name
 from ..policy import resolve_ops
 
 __all__ = ["SavedInstances", "SelectiveContexts"]
@@ -76,7 +79,9 @@ class _SavePolicy:
         self._packets = resolve_ops(ops)
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        if getattr(op, "overloadpacket", op) in self._packets:
+        # A call that drew random numbers is recomputed even if named: the recomputation
+        # draws the forward's numbers only by running every such call again, in order.
+        if getattr(op, "overloadpacket", op) in self._packets and not draws_random(op, args, kwargs):
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
@@ -152,8 +157,8 @@ class _InstancePolicy:
         counts = self._counts[bool(getattr(ctx, "is_recompute", False))]
         index = counts[name]
         counts[name] += 1
-        if (name, index) in self._wanted:
-            return CheckpointPolicy.MUST_SAVE
+        if (name, index) in self._wanted and not draws_random(op, args, kwargs):
+            return CheckpointPolicy.MUST_SAVE  # never a call that drew (see the module)
         return CheckpointPolicy.PREFER_RECOMPUTE
 
     def fix_for(self, op: Any) -> str:

@@ -197,3 +197,39 @@ def test_profiled_operators_are_those_sac_sees_in_a_hf_gpt2_block():
     model = tf.GPT2LMHeadModel(config)
     ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(3))
     _compare_with_sac(model, "transformer.h.0", (ids,), {"use_cache": False})
+
+
+def test_which_calls_draw_random_numbers():
+    """Seeded-nondeterministic operators draw, unless their arguments say they draw
+    nothing here (an attention's ``dropout_p`` of 0, ``train=False``)."""
+    from ckptwrap.planner import draws_random
+
+    aten = torch.ops.aten
+    q = torch.randn(1, 1, 4, 2)
+    assert draws_random(aten.native_dropout.default, (q, 0.1, True))
+    assert not draws_random(aten.native_dropout.default, (q, 0.1, False))
+    assert draws_random(aten.bernoulli_.float, (q, 0.5))
+    assert draws_random(aten.rand.default, ([2],))
+    flash = aten._scaled_dot_product_flash_attention.default
+    assert draws_random(flash, (q, q, q, 0.1)) and not draws_random(flash, (q, q, q, 0.0))
+    assert not draws_random(flash, (q, q, q), {"dropout_p": 0.0})
+    efficient = aten._scaled_dot_product_efficient_attention.default
+    assert draws_random(efficient, (q, q, q, None, True, 0.1))
+    assert not draws_random(efficient, (q, q, q, None, True))  # dropout_p at its default, 0
+    assert not draws_random(aten.mm.default, (q, q)) and not draws_random(aten.addmm.default)
+
+
+def test_the_record_marks_a_fused_dropout_as_drawn():
+    class Fused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(6, 6)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.native_dropout(self.a(x), 0.3, True)[0].exp()
+
+    model = make(lambda: Holder(Fused()))
+    ops = profile_modules(model, ["inner"], (torch.randn(3, 6),), repeats=0)["inner"].ops
+    drawn = [op for op in ops if op.random]
+    assert [op.op for op in drawn] == ["native_dropout"] and drawn[0].bytes > 0 and drawn[0].saved
+    assert not any(op.random for op in ops if op.op != "native_dropout")

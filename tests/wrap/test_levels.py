@@ -181,6 +181,46 @@ def test_a_level_trains_like_the_plain_model_and_skips_its_saved_operators(deepe
     assert sum(saved.values()) > 0
 
 
+class _Drawing(torch.nn.Module):
+    """A block that draws twice: a dropout of its gate (a few bytes, so a level saving
+    by time per byte takes it first) and one of its output, fused as a GPU runs
+    ``F.dropout`` (one operator that returns new storages, output and mask)."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.gate = torch.nn.Parameter(torch.ones(width))
+        self.a = torch.nn.Linear(width, 4 * width)
+        self.b = torch.nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = torch.native_dropout(self.gate, 0.5, True)[0]
+        hidden = self.a(x * gate).relu()
+        return x + torch.native_dropout(self.b(hidden), 0.5, True)[0]
+
+
+def _drawing_stack() -> torch.nn.Module:
+    return torch.nn.Sequential(*[_Drawing() for _ in range(4)])
+
+
+def test_a_level_never_saves_an_operator_that_drew_random_numbers(deepest):
+    """Saved, a dropout would be skipped by the recomputation, and every draw after it in
+    the block would give other numbers than the forward's: no level saves one, and every
+    block at its most saving level trains like the plain model, bit for bit."""
+    batch = torch.randn(8, 12, 16, generator=torch.Generator().manual_seed(5))
+
+    def loss(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return model(x).pow(2).mean()
+
+    plain = make(_drawing_stack)
+    model = wrap_model(make(_drawing_stack), "budget:50%", example_inputs=(batch,))
+    entries = model.ckptwrap_plan.selected
+    assert len(entries) == 4 and all(e.saved_ops for e in entries)  # levels are still offered
+    assert not [op for e in entries for op in e.saved_ops if op[0] == "native_dropout"]
+    for _ in range(2):
+        assert_same({"loss": step(model, loss, batch)}, {"loss": step(plain, loss, batch)})
+        assert_same(grads(model), grads(plain), "gradients with drawing blocks at selective levels")
+
+
 def test_a_budget_between_a_level_and_keeping_chooses_the_level():
     model = make(TinyGPT)
     # The planner's own profile: with the measured training step, whose terms it adds.
