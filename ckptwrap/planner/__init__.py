@@ -14,7 +14,7 @@ from ._choose import Choice, step_items
 from ._cost_model import CostItem, CostOption, format_bytes, predicted_peak
 from ._inputs import InputLayout, as_example, read_layout
 from ._items import forward_items, forward_levels, with_step_terms
-from ._ops import OpCost, draws_random, packet_name
+from ._ops import OpCost, packet_name
 from ._plan import Plan, PlanEntry
 from ._measuring import PlanSettings, is_measuring
 from ._step import region_bytes
@@ -69,7 +69,6 @@ __all__ = [
     "forward_items",
     "forward_levels",
     "lowest_plan",
-    "draws_random",
     "packet_name",
     "pooled_times",
     "predicted_peak",

@@ -21,8 +21,9 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 from torch.utils.flop_counter import flop_registry
 
 from ..measure import StorageMap, Tally, outputs_of, tensor_storages, tensors
+from ..policy import draws_random
 
-__all__ = ["OpCost", "OpRecorder", "draws_random", "merge_calls", "packet_name"]
+__all__ = ["OpCost", "OpRecorder", "merge_calls", "packet_name"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +54,8 @@ class OpCost:
     output, since the copy it keeps would no longer be the one the forward used."""
     random: bool = False
     """Whether it drew random numbers (dropout, attention with dropout; see
-    :func:`draws_random`): never saved, so that the recomputation draws what the forward
-    drew."""
+    ``ckptwrap.policy.draws_random``): never saved, so that the recomputation draws what
+    the forward drew."""
 
     @property
     def instance(self) -> Tuple[str, int]:
@@ -64,54 +65,6 @@ class OpCost:
     def to_dict(self) -> Dict[str, Any]:
         """The fields as a JSON-friendly dict."""
         return dataclasses.asdict(self)
-
-
-def draws_random(func: Any, args: Tuple[Any, ...] = (), kwargs: Optional[Dict[str, Any]] = None) -> bool:
-    """Whether this call of ``func`` draws from a random number generator: an operator
-    torch tags as seeded-nondeterministic (dropout, ``rand``, ``bernoulli``, fused
-    attention and recurrent kernels), unless its arguments say it draws nothing here (a
-    ``dropout_p`` or ``dropout`` of 0, ``train=False``).
-
-    A selective checkpoint must never save such an output: the recomputation replays the
-    forward's generator state and draws the same numbers only if it runs every operator
-    that drew, in order; a saved one is skipped, and every draw after it in the region
-    shifts (different dropout masks, inexact gradients). On a GPU the fused dropout and
-    attention kernels are such operators.
-
-    Example:
-        >>> draws_random(torch.ops.aten.native_dropout.default)
-        True
-        >>> draws_random(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-        ...              (None, None, None, 0.0))
-        False
-    """
-    rates = _random_rates(func)
-    if rates is None:
-        return False
-    kwargs = kwargs or {}
-    for position, name, default in rates:
-        value = kwargs.get(name, default) if position >= len(args) else args[position]
-        if name == "train" and value is False:
-            return False
-        if name in ("dropout_p", "dropout") and value == 0:
-            return False
-    return True
-
-
-@functools.lru_cache(maxsize=None)
-def _random_rates(func: Any) -> Optional[Tuple[Tuple[int, str, Any], ...]]:
-    """None if ``func`` never draws; else (position, name, default) of its arguments that
-    may say it draws nothing (``dropout_p``, ``dropout``, ``train``)."""
-    if torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
-        return None
-    schema = getattr(func, "_schema", None)
-    if schema is None:
-        return ()
-    return tuple(
-        (position, argument.name, argument.default_value if argument.has_default_value() else None)
-        for position, argument in enumerate(schema.arguments)
-        if argument.name in ("dropout_p", "dropout", "train")
-    )
 
 
 @functools.lru_cache(maxsize=None)

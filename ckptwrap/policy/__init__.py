@@ -9,7 +9,7 @@ from ._blocks import find_blocks
 from ._library_units import code_units
 from ._grammar import as_policy, parse_policy
 from ._modifiers import DEFAULT_SELECTIVE_OPS, Budget, Offload, Selective, split_modifiers
-from ._ops import resolve_ops
+from ._ops import draws_random, resolve_ops
 from ._terms import (
     All,
     Blocks,
@@ -49,5 +49,6 @@ __all__ = [
     "code_units",
     "find_blocks",
     "parse_policy",
+    "draws_random",
     "resolve_ops",
 ]

@@ -202,7 +202,7 @@ def test_profiled_operators_are_those_sac_sees_in_a_hf_gpt2_block():
 def test_which_calls_draw_random_numbers():
     """Seeded-nondeterministic operators draw, unless their arguments say they draw
     nothing here (an attention's ``dropout_p`` of 0, ``train=False``)."""
-    from ckptwrap.planner import draws_random
+    from ckptwrap.policy import draws_random
 
     aten = torch.ops.aten
     q = torch.randn(1, 1, 4, 2)

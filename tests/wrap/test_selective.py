@@ -13,6 +13,7 @@ from torch import nn
 
 import ckptwrap
 from ckptwrap import CheckpointError, wrap_model
+from ckptwrap.policy import parse_policy
 from ckptwrap.wrap._selective import SavedInstances, SelectiveContexts
 
 from ._models import assert_same, grads
@@ -194,8 +195,7 @@ class TwoDropouts(nn.Module):
 
 @pytest.mark.parametrize(
     "context",
-    [SavedInstances((("native_dropout", 0),)), SelectiveContexts(("native_dropout",)),
-     SavedInstances((("native_dropout", 0), ("addmm", 1)))],
+    [SavedInstances((("native_dropout", 0),)), SavedInstances((("native_dropout", 0), ("addmm", 1)))],
     ids=repr,
 )
 def test_an_operator_that_drew_random_numbers_is_recomputed_even_when_named(context):
@@ -212,3 +212,15 @@ def test_an_operator_that_drew_random_numbers_is_recomputed_even_when_named(cont
     torch.manual_seed(1)
     ckptwrap.checkpoint(module, x, use_reentrant=False, context_fn=context).pow(2).sum().backward()
     assert_same(grads(module), expected, f"gradients under {context!r}")
+
+
+@pytest.mark.parametrize("ops", ["native_dropout", "mm,dropout", "bernoulli"])
+def test_naming_an_operator_that_always_draws_random_numbers_is_refused(ops):
+    """Never saved (see above), so naming it would save nothing: said when the policy is read."""
+    with pytest.raises(ckptwrap.CheckpointConfigError, match=r"names '\w+', which draws random numbers .* saves nothing"):
+        parse_policy(f"blocks;selective:{ops}")
+
+
+def test_attention_and_products_stay_nameable():
+    """Attention draws only with a dropout probability above 0: it may still be named."""
+    assert parse_policy("blocks;selective:mm,scaled_dot_product_attention,lstm") is not None
