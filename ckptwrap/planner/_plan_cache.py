@@ -100,6 +100,11 @@ class PlanCache:
         self.plans[key] = choice
         while len(self.plans) > _CACHED:
             self.plans.popitem(last=False)
+
+    def keep_plain(self, key: Tuple[Any, ...], plain: int) -> None:
+        """The un-checkpointed peak of a shape (kept as long as the most recent others:
+        a loop meets new shapes at most steps, many of them under one plan)."""
+        self.plain[key] = plain
         while len(self.plain) > _CACHED:
             del self.plain[next(iter(self.plain))]
 

@@ -332,7 +332,7 @@ class ShapePlanner:
         plain = self._cache.plain.get((id(costs), sizes, region))
         if plain is None and (self.reading.percent or costs.margin or self.reading.max_shapes):
             plain = plain_peak(profile, settings.names, region_bytes=region)
-            self._cache.plain[(id(costs), sizes, region)] = plain
+            self._cache.keep_plain((id(costs), sizes, region), plain)
         # Otherwise the solve gives the plain peak (the budget and the margin need none).
         budget = self.reading.at(plain or 0, costs, reference=not bounded)
         kept_free = int(costs.margin * (plain or 0))
@@ -388,7 +388,7 @@ class ShapePlanner:
     ) -> None:
         """``choice`` at ``sizes``: its plain peak kept as the shape's, and as a reference."""
         if plain is None:
-            self._cache.plain[(id(costs), sizes, region)] = choice.plain_peak
+            self._cache.keep_plain((id(costs), sizes, region), choice.plain_peak)
             if not bounded:
                 self.reading.reference = max(self.reading.reference, choice.plain_peak)
 

@@ -5,12 +5,13 @@ the declared largest shapes); or a device's memory less what the model holds the
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from .._errors import CheckpointConfigError
 from ._choose import plain_peak
 from ._device_memory import DeviceTerms
 from ._measuring import LayoutCosts
+from ._module_costs import ModelProfile
 from ._solver import resolve_budget
 
 __all__ = ["BudgetReading"]
@@ -27,6 +28,7 @@ class BudgetReading:
         """The largest un-checkpointed peak planned for so far."""
         self.device = DeviceTerms(settings)
         """A budget in a device's terms, and what the device holds besides the step."""
+        self._declared: Optional[Tuple[ModelProfile, int]] = None  # the last, with its plain peak
 
     @property
     def percent(self) -> bool:
@@ -47,8 +49,7 @@ class BudgetReading:
             except CheckpointConfigError:
                 declared = None
             if declared is not None:
-                profile = costs.profile_at(declared)
-                self.reference = max(self.reference, plain_peak(profile, self.names))
+                self.reference = max(self.reference, self._plain_at(costs.profile_at(declared)))
         if self.device.in_terms:
             return self.device.step_budget()
         return resolve_budget(self.budget, self.reference)
@@ -57,3 +58,10 @@ class BudgetReading:
         """The budget in bytes as it stands, at a shape no larger than one planned."""
         budget = self.at(0, costs, reference=False)
         return None if budget is None else int(budget)
+
+    def _plain_at(self, profile: ModelProfile) -> int:
+        # Read at every plan and every nothing-needed lookup: the same profile while the
+        # fit stands, so its plain peak is worked out once.
+        if self._declared is None or self._declared[0] is not profile:
+            self._declared = (profile, plain_peak(profile, self.names))
+        return self._declared[1]

@@ -293,6 +293,21 @@ def test_a_scaled_bound_worked_out_a_step_or_two_higher_is_taken_as_it_is(monkey
     assert len(solves) == 2  # 180's and 166's
 
 
+def test_many_shapes_under_one_plan_keep_what_is_kept_of_them_bounded(monkeypatch):
+    """Every shape a measured shape bounds is planned from its one solve; what is kept of
+    each (its un-checkpointed peak) stays bounded however many shapes come."""
+    _no_learning(monkeypatch)
+    model, plain, budget = _budgeted((4, 200))
+    _run(model, plain, budget, 4, 200, 0)  # measured: bounds every shape below
+    solves = _count(monkeypatch, "ckptwrap.planner._planner", "choose")
+    for length in range(110, 200):
+        _step(model, _batch(4, length))
+        assert _hook(model)._step.decision.source == "bounded"
+    cache = _planner(model)._cache
+    assert len(solves) == 1 and len(cache.plans) == 1
+    assert len(cache.plain) <= 64
+
+
 def test_a_shape_below_one_that_fitted_with_nothing_checkpointed_is_not_evaluated(monkeypatch):
     """Where a larger shape's step fitted the budget with nothing checkpointed, a smaller
     one needs no plan: no costs are evaluated, nothing solved, nothing checkpointed."""

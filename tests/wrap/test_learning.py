@@ -253,7 +253,7 @@ def test_a_tiny_first_batch_then_many_shapes_stay_bounded():
         assert peak <= limit + OVER * largest_plain, (index, rows, length, peak, applied.budget)
     planner = _planner(model)
     assert planner.measurements <= 40, planner.measurements  # the fit stood for the rest
-    assert len(planner._layouts) <= 8 and len(planner._cache.plans) <= 64
+    assert len(planner._layouts) <= 8 and len(planner._cache.plans) <= 64 and len(planner._cache.plain) <= 64
     assert all(len(costs.profiles) <= 12 for costs in planner._layouts.values())
 
 
