@@ -116,11 +116,13 @@ def choose(
         dropped: List[Tuple[str, str]] = []
     else:
         try:
-            solution = solve_budget(items, budget, base=base, tail=tail, settle=settle)
+            # Not strict, the solve runs inside the step it plans: every search's arrays
+            # stay within a share of the budget, the ones without a budget too.
+            solution = solve_budget(items, budget, base=base, tail=tail, settle=settle, bounded=not strict)
         except CheckpointConfigError:
             if strict or not settle:
                 raise
-            solution, reachable = lowest_plan(items, base=base, tail=tail), False
+            solution, reachable = lowest_plan(items, base=base, tail=tail, within=budget), False
         peak = solution.predicted_peak
         picked = {ordered[i][0] for i in solution.selected}
         reason = f"not needed to fit {describe}" if reachable else "not needed for the least memory"

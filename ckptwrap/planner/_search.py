@@ -98,9 +98,11 @@ class _Search:
     checkpointed as blocks 0 to 3).
 
     With ``budget`` None it finds the lowest peak instead: every time counts as zero, and
-    no recomputation is ruled out. ``times`` are the seconds the program weighs, per item
-    those of the full recomputation and then of each option (the solver passes pooled
-    times, see ``_solver``); None means the items' own.
+    no recomputation is ruled out; ``within`` then bounds its arrays as a budget would (a
+    coarser axis: the peak found is one a plan reaches, perhaps not the lowest). ``times``
+    are the seconds the program weighs, per item those of the full recomputation and then
+    of each option (the solver passes pooled times, see ``_solver``); None means the
+    items' own.
     """
 
     def __init__(
@@ -111,8 +113,12 @@ class _Search:
         times: Optional[Sequence[Sequence[float]]] = None,
         *,
         tail: int = 0,
+        within: Optional[int] = None,
     ) -> None:
         self.items, self.base, self.budget, self.tail = items, base, budget, tail
+        # The bytes the arrays stay within a share of: the budget, or for the lowest-peak
+        # search run for a budget out of reach inside the step, that budget (``within``).
+        self._cap = budget if budget is not None else within
         if times is None:
             times = [(item.time, *(option.time for option in item.options)) for item in items]
         self.times = [list(row) for row in times]
@@ -164,7 +170,7 @@ class _Search:
         n = max(1, self.n)
         # The solve runs inside the step it plans (a training forward's pre-hook), on the
         # CPU in the memory the budget caps: its arrays stay within a share of the budget.
-        held = _NEVER if self.budget is None else max(1024, self.budget // (_BUDGET_SHARE * (_ENTRY_BYTES + n)))
+        held = _NEVER if self._cap is None else max(1024, self._cap // (_BUDGET_SHARE * (_ENTRY_BYTES + n)))
         if -(-span // grain) <= min(_EXACT_STEPS, max(1024, _MAX_CELLS // n), held):
             return grain, True
         extra = max(1, sum(max(0, len(ways) - 1) for ways in self.alone))

@@ -167,36 +167,43 @@ def _pooled(items: Sequence[CostItem]) -> List[List[float]]:
     return times
 
 
-def smallest_reachable_peak(items: Sequence[CostItem], *, base: int, tail: int = 0) -> int:
+def smallest_reachable_peak(
+    items: Sequence[CostItem], *, base: int, tail: int = 0, within: Optional[int] = None
+) -> int:
     """The least predicted peak of any plan for ``items`` (segments and options
     included), in bytes.
 
     Exact on the same condition as :func:`solve_budget`'s plans; otherwise an upper bound
-    that a plan reaches.
+    that a plan reaches. ``within``: the search's arrays stay within a share of these
+    bytes, as a budgeted search's do within its budget (for a solve inside the step it
+    plans, where a budget is out of reach); the peak is then more often a bound.
 
     Raises:
         CheckpointConfigError: On a bad item, ``base`` or ``tail``.
     """
     base = _check(items, base)
     tail = _check_bytes(tail, "tail")
-    groups, options = _Search(items, base, None, tail=tail).run()  # type: ignore[misc]
+    groups, options = _Search(items, base, None, tail=tail, within=within).run()  # type: ignore[misc]
     return _peak(items, groups, base, tail, options)
 
 
-def lowest_plan(items: Sequence[CostItem], *, base: int, tail: int = 0) -> BudgetSolution:
+def lowest_plan(
+    items: Sequence[CostItem], *, base: int, tail: int = 0, within: Optional[int] = None
+) -> BudgetSolution:
     """The plan of least predicted peak (segments and options included), at the least
     recompute time among those; what a budget no plan reaches falls back to. Its
-    ``budget`` is that peak.
+    ``budget`` is that peak; ``within`` as for :func:`smallest_reachable_peak`.
 
     Raises:
         CheckpointConfigError: On a bad item, ``base`` or ``tail``.
     """
-    lowest = smallest_reachable_peak(items, base=base, tail=tail)
-    return solve_budget(items, lowest, base=base, tail=tail)
+    lowest = smallest_reachable_peak(items, base=base, tail=tail, within=within)
+    return solve_budget(items, lowest, base=base, tail=tail, bounded=within is not None)
 
 
 def solve_budget(
-    items: Sequence[CostItem], budget: int, *, base: int, tail: int = 0, settle: bool = True
+    items: Sequence[CostItem], budget: int, *, base: int, tail: int = 0, settle: bool = True,
+    bounded: bool = False,
 ) -> BudgetSolution:
     """The plan of least recompute time whose predicted peak fits ``budget``.
 
@@ -223,6 +230,9 @@ def solve_budget(
             coarse axis hid a plan for. Without, raise at once (that search's arrays are
             not bounded by the budget, which matters where the solve runs inside the
             step it plans and a plan is not needed).
+        bounded: The settling search's arrays, too, stay within a share of the budget
+            (see :func:`smallest_reachable_peak`'s ``within``): for a solve inside the
+            step it plans.
 
     Returns:
         The plan; see :class:`BudgetSolution`.
@@ -245,16 +255,21 @@ def solve_budget(
         return BudgetSolution((), empty, 0.0, budget, 1)
     search = _Search(items, base, budget, _pooled(items), tail=tail)
     plan = search.run()
+    # Raised, the error's traceback holds this frame in a cycle until the next garbage
+    # collection (inside the step, where the solve runs in the step it plans): the
+    # search's arrays are let go first.
     if plan is None and not settle:
+        del search
         raise CheckpointConfigError(f"no plan was found within the budget of {format_bytes(budget)}")
     if plan is None:
-        lowest_plan = _Search(items, base, None, tail=tail).run()
+        lowest_plan = _Search(items, base, None, tail=tail, within=budget if bounded else None).run()
         assert lowest_plan is not None  # without a budget every plan is allowed
         lowest = _peak(items, lowest_plan[0], base, tail, lowest_plan[1])
         if lowest > budget:
             lowest_set = [i for group in lowest_plan[0] for i in group]
             error = CheckpointConfigError(_below_reach(items, given, lowest, lowest_set))
             error.needed = _least_budget(given, lowest)
+            del search
             raise error
         # On a coarse axis rounding can hide plans that fit; the lowest-peak one does.
         plan = search.refine(lowest_plan)
