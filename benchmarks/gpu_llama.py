@@ -71,10 +71,13 @@ _GB = 1e9
 OFFLOAD_TIME_TARGET = 1.05
 """Offload step time / ``none`` step time, checked at OFFLOAD_TARGET_TOKENS or more."""
 OFFLOAD_TARGET_TOKENS = 8192
-CONFIGURATIONS = ("none", "blocks", "hf", "blocks;selective", "budget:50%", "offload", "save_on_cpu")
+CONFIGURATIONS = ("none", "blocks", "blocks;overlap", "torch", "hf", "blocks;selective",
+                  "blocks;selective;overlap", "budget:50%", "offload", "save_on_cpu")
 """The rows asked for by name; with ``offload`` comes ``first:K;offload``, K from the link.
-``hf`` is the baseline for ``blocks``: transformers' own gradient checkpointing of the same
-decoder layers (``gradient_checkpointing_enable``, torch's non-re-entrant checkpoint)."""
+``torch`` is the baseline for ``blocks``: ``torch.utils.checkpoint`` (non-re-entrant) around
+each decoder layer; ``hf`` is transformers' own gradient checkpointing of the same layers
+(``gradient_checkpointing_enable``, which calls torch's checkpoint). ``blocks;overlap``
+recomputes each layer ahead of the backward, in a worker thread on a side stream."""
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _TINY = dict(hidden=32, layers=4, heads=2, intermediate=64, vocab=128, seq=512)
 """Sizes of ``--tiny``; the sequence is long enough for activations to outweigh the
@@ -133,6 +136,9 @@ class Workload:
         if name.startswith("budget:"):
             inputs = {"example_kwargs": {"input_ids": self.inputs}} if self.kind == "llama" else {"example_inputs": (self.inputs,)}
             ckptwrap.wrap_model(model, name, loss_fn=self.loss_fn, **inputs)
+            print(f"  {name}'s plan:\n" + "\n".join("    " + line for line in str(model.ckptwrap_plan).splitlines()), flush=True)
+        elif name == "torch":
+            _torch_checkpoint_layers(model)
         elif name == "hf":
             if self.kind != "llama":
                 raise RuntimeError("the hf row needs transformers' Llama")
@@ -163,6 +169,20 @@ class Step:
         loss.backward()
         if marks:
             marks[2].record()
+
+
+def _torch_checkpoint_layers(model: nn.Module) -> None:
+    """Run every block of ``model`` (its decoder layers) through
+    ``torch.utils.checkpoint.checkpoint`` (non-re-entrant), names unchanged."""
+    import torch.utils.checkpoint as torch_checkpoint
+
+    for layer in (model.model.layers if hasattr(model, "model") else model.blocks):
+        original = layer.forward
+
+        def forward(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            return torch_checkpoint.checkpoint(_original, *args, use_reentrant=False, **kwargs)
+
+        layer.forward = forward
 
 
 def _build(args: argparse.Namespace) -> Tuple[nn.Module, str]:
@@ -294,11 +314,13 @@ def run(args: argparse.Namespace) -> Tuple[List[Result], Arithmetic, List[str]]:
                     results[name].peak_bytes = max(results[name].peak_bytes, peak)
                 steps[name].model.zero_grad(set_to_none=True)
     if args.profile:
-        _profile(work.device, {name: steps[name] for name in live if name in steps}, Path(args.profile))
+        _profile(work.device, {name: steps[name] for name in live if name in steps}, Path(args.profile),
+                 trace=args.trace)
     return [results[name] for name in names], arithmetic, sorted(set(nondeterministic))
 
 
-def _profile(device: torch.device, steps: Dict[str, "Step"], directory: Path) -> None:
+def _profile(device: torch.device, steps: Dict[str, "Step"], directory: Path,
+             trace: Sequence[str] = ()) -> None:
     """One more step of each row under torch.profiler: its operators by device time, to
     ``DIRECTORY/profile-ROW.txt`` (after the timed steps, so it changes none of them)."""
     from torch.profiler import ProfilerActivity, profile
@@ -306,8 +328,9 @@ def _profile(device: torch.device, steps: Dict[str, "Step"], directory: Path) ->
     directory.mkdir(parents=True, exist_ok=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    summaries = []
     for name, step in steps.items():
-        with profile(activities=activities) as prof:
+        with _labelled_recomputation(), profile(activities=activities, **_all_threads()) as prof:
             step()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
@@ -316,8 +339,77 @@ def _profile(device: torch.device, steps: Dict[str, "Step"], directory: Path) ->
         kernels = sum(e.count for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA)
         text = events.table(sort_by=sort, row_limit=40)
         label = re.sub(r"[^A-Za-z0-9_.-]", "_", name)
-        (directory / f"profile-{label}.txt").write_text(f"row {name}: {kernels} device events\n{text}\n")
+        summary = _timeline(name, prof.events())
+        summaries.append(summary)
+        (directory / f"profile-{label}.txt").write_text(f"row {name}: {kernels} device events\n{summary}\n{text}\n")
+        if trace and name in trace:
+            prof.export_chrome_trace(str(directory / f"trace-{label}.json"))
         print(f"  profiled {name}: {kernels} device events", flush=True)
+    print("where the step's time goes (one profiled step per row):\n" + "\n".join(summaries), flush=True)
+
+
+def _all_threads() -> Dict[str, Any]:
+    """Profile every thread (the worker that recomputes ahead too) where torch can."""
+    try:
+        from torch._C._profiler import _ExperimentalConfig
+
+        return {"experimental_config": _ExperimentalConfig(profile_all_threads=True)}
+    except (ImportError, TypeError):
+        return {}
+
+
+@contextlib.contextmanager
+def _labelled_recomputation() -> Iterator[None]:
+    """Label each ckptwrap recomputation in the profile (``ckptwrap.recompute``), so the
+    timeline shows its thread and its host time."""
+    from ckptwrap.engine import _nonreentrant
+
+    original = _nonreentrant._rerun
+
+    def labelled(*args: Any, **kwargs: Any) -> None:
+        with torch.profiler.record_function("ckptwrap.recompute"):
+            original(*args, **kwargs)
+
+    _nonreentrant._rerun = labelled
+    try:
+        yield
+    finally:
+        _nonreentrant._rerun = original
+
+
+def _timeline(name: str, events: Any) -> str:
+    """One line: the step's span, kernel time, time the GPU is busy (kernels' union),
+    host time per thread (top-level operators), synchronizations, recomputations."""
+    device_kind = torch.autograd.DeviceType.CUDA
+    kernels, threads, syncs, recomputes = [], {}, [], []
+    start, end = float("inf"), 0.0
+    for event in events:
+        span = event.time_range
+        start, end = min(start, span.start), max(end, span.end)
+        if getattr(event, "device_type", None) == device_kind:
+            if event.name != "ckptwrap.recompute":  # the label's span on the device, not a kernel
+                kernels.append((span.start, span.end))
+            continue
+        if "Synchronize" in event.name or event.name in ("cudaMemcpy", "cudaStreamWaitEvent"):
+            syncs.append(span.end - span.start)
+        if event.name == "ckptwrap.recompute":
+            recomputes.append((event.thread, span.end - span.start))
+        if event.cpu_parent is None:
+            threads[event.thread] = threads.get(event.thread, 0.0) + (span.end - span.start)
+    busy, last = 0.0, float("-inf")
+    for begin, finish in sorted(kernels):
+        if finish > last:
+            busy += finish - max(begin, last)
+            last = finish
+    kernel_sum = sum(f - b for b, f in kernels)
+    host = ", ".join(f"{t}: {v / 1000:.1f}" for t, v in sorted(threads.items(), key=lambda kv: -kv[1])[:3])
+    by_thread: Dict[int, float] = {}
+    for thread, span in recomputes:
+        by_thread[thread] = by_thread.get(thread, 0.0) + span
+    recomputed = ", ".join(f"{t}: {v / 1000:.1f} ms" for t, v in by_thread.items()) or "-"
+    return (f"  {name}: span {(end - start) / 1000:.1f} ms, kernels {kernel_sum / 1000:.1f} ms ({len(kernels)}), "
+            f"GPU busy {busy / 1000:.1f} ms ({busy / max(end - start, 1):.0%}); host ms by thread [{host}]; "
+            f"syncs {len(syncs)} ({sum(syncs) / 1000:.1f} ms); recomputations {len(recomputes)} [{recomputed}]")
 
 
 def _phase_times(device: torch.device, step: Step, arithmetic: Arithmetic) -> None:
@@ -442,13 +534,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--json", default=None, help="also write the results to this file, as JSON")
     parser.add_argument("--profile", default=None, metavar="DIR",
                         help="after timing, profile one step of each row into DIR/profile-ROW.txt")
+    parser.add_argument("--trace", default="", metavar="ROWS",
+                        help="with --profile, also export these rows' timelines (DIR/trace-ROW.json, comma-separated)")
     args = parser.parse_args(argv)
+    args.trace = [name.strip() for name in args.trace.split(",") if name.strip()]
     if args.tiny:
         for key, value in _TINY.items():
             setattr(args, key, value)
         args.steps, args.warmup = 1, 0
     args.configs = [name.strip() for name in args.configs.split(",") if name.strip()]
-    unknown = [n for n in args.configs if n not in CONFIGURATIONS and not n.startswith("budget:")]
+    unknown = [n for n in args.configs if n not in CONFIGURATIONS and not n.startswith("budget:")
+               and not n.startswith("blocks;")]
     if not args.configs or args.configs[0] != "none" or unknown:
         parser.error(f"--configs must start with 'none' and name only {', '.join(CONFIGURATIONS)} "
                      f"(or another budget:X); got {','.join(args.configs)}")

@@ -21,6 +21,7 @@ __all__ = [
     "checkpoint_debug_switch",
     "device_context_class",
     "disable_current_modes",
+    "dispatch_modes_active",
     "dropout_classes",
     "fake_tensor",
     "fallbacks_in_use",
@@ -104,6 +105,17 @@ graph_task_id: Callable[[], int] = (
 make_saved_tensor: Optional[Callable[..., Any]] = _lookup(
     _import("torch._C._autograd"), "_make_saved_tensor", None
 )
+
+# The number of Python dispatch modes in force on the calling thread: torch 2.0 and later.
+# Fallback: assume one is, so no region is recomputed ahead in another thread (a mode
+# such as FlopCounterMode would not see it there): the recomputation runs in backward.
+_dispatch_mode_count: Callable[[], int] = _lookup(torch._C, "_len_torch_dispatch_stack", lambda: 1)
+
+
+def dispatch_modes_active() -> bool:
+    """Whether a Python dispatch mode is in force on the calling thread."""
+    return _dispatch_mode_count() > 0
+
 
 def checkpoint_debug_switch() -> Optional[bool]:
     """``torch.utils.checkpoint.set_checkpoint_debug_enabled``'s setting, read at each

@@ -33,6 +33,11 @@ def read_results(record: Dict[str, Any], logs: Path) -> Dict[str, Any]:
                                                                 record["status"] == "passed")]}
         return {"counts": counts, "targets": [_target("every test passes", _count_text(counts, record),
                                                       record["status"] == "passed")]}
+    if kind == "log":  # scripts/repeat_exactness.py: its last line counts the runs that differed
+        found = re.search(r"(\d+) rounds of (\d+) cases; the budget model differed in (\d+)", record["output"])
+        value = None if found is None else f"{found.group(3)} of {int(found.group(1)) * int(found.group(2))} runs differed"
+        return {"targets": [_target("the budget model equals the plain model in every run", value,
+                                    None if found is None else found.group(3) == "0")]}
     result = json.loads(source.read_text()) if ran and source is not None and source.exists() else {}
     found = {"table": result.get("table"), "targets": result.get("targets", []),
              "arithmetic": result.get("arithmetic", []), "nondeterministic": result.get("nondeterministic", [])}
@@ -94,7 +99,7 @@ def _details(r: Dict[str, Any]) -> List[str]:
         lines += ["", "Offload arithmetic:", ""] + [f"- {line}" for line in r["arithmetic"]]
     if r.get("nondeterministic"):
         lines += ["", "Operators without a deterministic kernel:", ""] + [f"- {m}" for m in r["nondeterministic"]]
-    if r["status"] != "passed" or r["kind"] == "install":
+    if r["status"] != "passed" or r["kind"] in ("install", "log"):
         tail = r["output"].rstrip().splitlines()[-_TAIL_LINES:]
         lines += ["", "Output (last lines):", "", "```text", *tail, "```"]
     return lines

@@ -1,6 +1,7 @@
 """One command for a GPU run: install ckptwrap without a package registry, run the CUDA
-tests and a CPU test selection on CUDA, the engine benchmark in bf16 and the Llama-style
-benchmark at 4k and 8k tokens, and write one Markdown report into ``--out``.
+tests and a CPU test selection on CUDA, the engine benchmark in bf16, the Llama-style
+benchmark at 4k and 8k tokens, the budget planner at that size and the repeated
+exactness loops, and write one Markdown report into ``--out``.
 
 Every step runs in its own process under its own time limit, and all of them within
 ``--minutes`` (25 by default); a step that fails or runs out of time is recorded in the
@@ -113,12 +114,27 @@ def _engine(ctx: Context) -> List[str]:
 def _llama(seq: int) -> Callable[[Context], List[str]]:
     def argv(ctx: Context) -> List[str]:
         base = [ctx.python, "benchmarks/gpu_llama.py", "--json", str(ctx.out / "logs" / f"llama-{seq // 1024}k.json")]
+        if seq < 8192:  # where the step's time goes: one profiled step per row, two timelines
+            base += ["--profile", str(ctx.out / "logs" / "profile-4k"), "--trace", "blocks,blocks;overlap"]
         if ctx.dry_run:  # the 8k step's dry run keeps to a few rows, to stay short
             rows = [] if seq < 8192 else ["--configs", "none,blocks,offload"]
             return base + ["--device", "cpu", "--tiny", *rows]
-        return base + ["--seq", str(seq)]
+        rows = [] if seq < 8192 else ["--configs", "none,blocks,blocks;overlap,torch,budget:50%,offload"]
+        return base + ["--seq", str(seq), *rows]
 
     return argv
+
+
+def _planner(ctx: Context) -> List[str]:
+    argv = [ctx.python, "benchmarks/gpu_planner.py", "--json", str(ctx.out / "logs" / "planner.json")]
+    return argv + (["--device", "cpu", "--tiny"] if ctx.dry_run else [])
+
+
+def _repeat_exactness(ctx: Context) -> List[str]:
+    argv = [ctx.python, "scripts/repeat_exactness.py"]
+    if ctx.dry_run:
+        return argv + ["--device", "cpu", "--rounds", "1", "--steps", "4", "--width", "1", "--cases", "bert:padded"]
+    return argv + ["--device", "cuda", "--seconds", "150"]
 
 
 STEPS = (
@@ -136,9 +152,14 @@ STEPS = (
          360, 150, result="llama-4k.json"),
     Step("llama-8k", "Llama-style benchmark, 8192 tokens (benchmarks/gpu_llama.py)", "benchmark", _llama(8192),
          480, 240, result="llama-8k.json"),
+    Step("planner", "The budget planner at a realistic size (benchmarks/gpu_planner.py)", "benchmark", _planner,
+         300, 120, result="planner.json"),
+    Step("repeat-exactness", "A lazy budget against two plain copies, over and over (scripts/repeat_exactness.py)",
+         "log", _repeat_exactness, 240, 170),
 )
-"""The steps in the order they run; their limits add up to 31 minutes, the ``--minutes``
-deadline (25) caps the whole run, and each step keeps the later steps' reserves."""
+"""The steps in the order they run; their limits add up to 40 minutes, the ``--minutes``
+deadline (25) caps the whole run, and each step keeps the later steps' reserves (on a
+machine that lends less time, run them in parts with ``--steps``)."""
 
 
 def run_step(step: Step, ctx: Context, limit_s: float) -> Dict[str, object]:

@@ -1,6 +1,6 @@
 """The package's layout shows its architecture: subpackages import each other one way and
-by their public names only, modules inside a subpackage import each other one way, and
-no module grows past about 400 lines."""
+by their public names only, and modules inside a subpackage import each other one way.
+(A module is as long as the one concept it holds needs: no line count is imposed.)"""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import ckptwrap
 
 _ROOT = Path(ckptwrap.__file__).parent
 _MODULES = sorted(_ROOT.rglob("*.py"))
-_LINES = 400
 
 
 def _unit(path: Path) -> str:
@@ -98,11 +97,6 @@ def test_modules_of_a_subpackage_import_each_other_one_way(package):
                 edges.setdefault(path.stem, set()).update(n for n in names if (_ROOT / package / f"{n}.py").exists())
     edges.pop("__init__", None)
     _graph(edges)
-
-
-@pytest.mark.parametrize("path", _MODULES, ids=lambda p: str(p.relative_to(_ROOT)))
-def test_modules_stay_small(path):
-    assert len(path.read_text().splitlines()) <= _LINES
 
 
 def test_the_planner_keeps_the_names_its_users_import():

@@ -4,7 +4,13 @@ early stop, nesting and ``checkpoint_sequential``. Knows nothing of policies or 
 from ._api import checkpoint, checkpoint_sequential
 from ._options import CheckpointOptions, options_from
 from ._reentrant import graph_nodes, reaches_reentrant
-from ._state import is_recomputing, observe_saved, saved_observer, set_checkpoint_early_stop
+from ._state import (
+    is_recomputing,
+    observe_saved,
+    recompute_ahead,
+    saved_observer,
+    set_checkpoint_early_stop,
+)
 from ._tree import flatten, tensor_leaves, unflatten
 
 __all__ = [
@@ -17,6 +23,7 @@ __all__ = [
     "observe_saved",
     "options_from",
     "reaches_reentrant",
+    "recompute_ahead",
     "saved_observer",
     "set_checkpoint_early_stop",
     "tensor_leaves",

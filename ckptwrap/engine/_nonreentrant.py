@@ -5,6 +5,9 @@ During the forward of a region every tensor autograd wants to save is replaced b
 the forward's device state and each tensor it saves is routed into the matching holder;
 with early stop the rerun ends as soon as the last holder still alive has been filled.
 
+Regions entered inside ``recompute_ahead`` are recomputed one ahead of the backward, in
+a worker thread (``_ahead`` has that design); every recomputation runs under one lock.
+
 Nesting follows from two rules: a region's inputs are saved tensors of the enclosing
 region (unpacking them recomputes the parent first), and a recomputation starts with no
 placeholder hooks in force. Recomputed values belong to one backward call (its graph
@@ -22,7 +25,7 @@ from torch.autograd.graph import saved_tensors_hooks
 
 from .. import _torch_private
 from .._errors import CheckpointError
-from . import _device, _state, _tree
+from . import _ahead, _device, _state, _tree
 from ._debug import OpRecorder, describe_ops
 
 __all__ = ["run_checkpointed"]
@@ -136,6 +139,8 @@ class _Frame:
         "forward_done",
         "recomputed",
         "debug",
+        "ahead",
+        "jobs",
         "__weakref__",
     )
 
@@ -157,6 +162,10 @@ class _Frame:
         self.forward_done = False
         self.recomputed: set = set()
         self.debug = debug
+        self.ahead: Optional[Callable[[], Any]] = None
+        """A weak reference to the region to recompute ahead when backward starts here."""
+        self.jobs: Dict[Any, _ahead.Job] = {}
+        """Recomputations handed to the worker, by backward call."""
 
     def forget(self, gid: Any) -> None:
         """Drop what was recomputed for backward call ``gid`` and not unpacked."""
@@ -262,17 +271,24 @@ def _current_gid() -> Tuple[Any, str]:
 
 
 def _recompute(frame: _Frame, gid: Any) -> None:
+    # The inputs first, outside the lock: restoring them may recompute an enclosing region.
     args, kwargs = frame.inputs.restore()
+    _rerun(frame, gid, args, kwargs)
+    frame.recomputed.add(gid)
+
+
+def _rerun(frame: _Frame, gid: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+    """Run the region again from its restored inputs, filling its holders for ``gid``."""
     run = _Recomputation(frame, gid)
     stopped = False
-    try:
-        with saved_tensors_hooks(run.pack, _identity), torch.enable_grad(), _state.recomputing():
-            frame.replay(args, kwargs)
-    except _StopRecomputation as stop:
-        if stop.run is not run:
-            raise
-        stopped = True
-    frame.recomputed.add(gid)
+    with _ahead.recomputation_lock():
+        try:
+            with saved_tensors_hooks(run.pack, _identity), torch.enable_grad(), _state.recomputing():
+                frame.replay(args, kwargs)
+        except _StopRecomputation as stop:
+            if stop.run is not run:
+                raise
+            stopped = True
     run.verify(stopped)
 
 
@@ -291,12 +307,19 @@ def _make_hooks(frame: _Frame, observer: Optional[_state.Watch]) -> saved_tensor
     def unpack(holder: _Holder) -> torch.Tensor:
         gid, kind = _current_gid()
         if gid not in frame.recomputed:
-            _recompute(frame, gid)
-            if kind is _TASK:
-                # Values recomputed but never unpacked (a partial backward with
-                # retain_graph=True) must not outlive the backward call.
-                frame_ref = weakref.ref(frame)
-                _torch_private.queue_callback(lambda: _forget(frame_ref, gid))  # type: ignore[misc]
+            if frame.jobs and _ahead.take(frame, gid):
+                frame.recomputed.add(gid)  # the job's callback drops what is left over
+            else:
+                _recompute(frame, gid)
+                if kind is _TASK:
+                    # Values recomputed but never unpacked (a partial backward with
+                    # retain_graph=True) must not outlive the backward call.
+                    frame_ref = weakref.ref(frame)
+                    _torch_private.queue_callback(lambda: _forget(frame_ref, gid))  # type: ignore[misc]
+            if kind is _TASK and frame.ahead is not None:
+                before = frame.ahead()
+                if before is not None:
+                    _ahead.schedule(before, gid, _rerun)
         try:
             value = holder.values.pop(gid)
         except KeyError:
@@ -355,8 +378,10 @@ def run_checkpointed(
     frame = _Frame(
         replay, inputs, early_stop=early_stop, checked=check, debug=recorders
     )
+    frame.ahead = _state.link_ahead(frame)
     completed = False
     with contextlib.ExitStack() as stack:
+        stack.enter_context(_state.in_region())
         stack.enter_context(_make_hooks(frame, observer))
         if observer is not None:  # regions entered inside this one report to no one
             stack.enter_context(_state.observe_saved(None))

@@ -10,7 +10,16 @@ from ._api import _check_options
 
 __all__ = ["CheckpointOptions", "options_from"]
 
-_FIELDS = ("use_reentrant", "preserve_rng_state", "early_stop", "determinism_check", "context_fn", "debug")
+_FIELDS = (
+    "use_reentrant",
+    "preserve_rng_state",
+    "early_stop",
+    "determinism_check",
+    "context_fn",
+    "debug",
+    "recompute_ahead",
+)
+_CHECKPOINT_ARGUMENTS = _FIELDS[:-1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +38,10 @@ class CheckpointOptions:
     """Contexts for forward and recomputation, e.g. selective checkpointing."""
     debug: bool = False
     """Add operator logs of forward and recomputation to errors."""
+    recompute_ahead: bool = False
+    """Recompute the region entered before this one in a worker thread (on a side stream
+    of the device) while backward runs through this one, so that the recomputation's
+    launches overlap the backward's; holds one region's activations more."""
 
     def __post_init__(self) -> None:
         _check_options(
@@ -39,6 +52,16 @@ class CheckpointOptions:
             self.debug,
             self.early_stop,
         )
+        if not isinstance(self.recompute_ahead, bool):
+            raise CheckpointConfigError(
+                f"recompute_ahead must be True or False, got {self.recompute_ahead!r} "
+                f"({type(self.recompute_ahead).__name__})."
+            )
+        if self.use_reentrant and self.recompute_ahead:
+            raise CheckpointConfigError(
+                "recompute_ahead=True needs use_reentrant=False: the re-entrant engine reruns "
+                "each region inside its own backward node, with nothing to run ahead of."
+            )
         if self.use_reentrant and (self.context_fn is not None or self.debug):
             raise CheckpointConfigError(
                 "context_fn and debug=True need use_reentrant=False; the re-entrant engine "
@@ -46,8 +69,13 @@ class CheckpointOptions:
             )
 
     def as_kwargs(self) -> Dict[str, Any]:
-        """The options as keyword arguments for ``checkpoint``."""
+        """Every option, as keyword arguments (for ``wrap_model`` and ``checkpointed``)."""
         return {name: getattr(self, name) for name in _FIELDS}
+
+    def checkpoint_kwargs(self) -> Dict[str, Any]:
+        """The options ``checkpoint`` takes; ``recompute_ahead`` is a context around it
+        (:func:`ckptwrap.engine.recompute_ahead`)."""
+        return {name: getattr(self, name) for name in _CHECKPOINT_ARGUMENTS}
 
 
 def options_from(given: Dict[str, Any], *, where: str) -> CheckpointOptions:

@@ -1,5 +1,5 @@
 """Context-local engine state: the early-stop setting, whether a recomputation is running,
-and who watches what the next region's forward saves.
+who watches what the next region's forward saves, and which regions are recomputed ahead.
 
 All live in ``contextvars`` so that threads and asyncio tasks never see each other's
 values, and both are changed only through context managers that restore them in ``finally``.
@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Callable, Iterator, NamedTuple, Optional
+import weakref
+from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import torch
 
@@ -17,6 +18,7 @@ __all__ = [
     "early_stop_setting",
     "is_recomputing",
     "observe_saved",
+    "recompute_ahead",
     "recomputing",
     "saved_observer",
     "set_checkpoint_early_stop",
@@ -39,6 +41,13 @@ _EARLY_STOP: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar(
 )
 _RECOMPUTING: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "ckptwrap_recomputing", default=False
+)
+_AHEAD: contextvars.ContextVar[bool] = contextvars.ContextVar("ckptwrap_ahead", default=False)
+_IN_REGION: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "ckptwrap_in_region", default=False
+)
+_LAST_AHEAD: contextvars.ContextVar[Optional[Callable[[], Any]]] = contextvars.ContextVar(
+    "ckptwrap_last_ahead", default=None
 )
 _OBSERVER: contextvars.ContextVar[Optional[Watch]] = contextvars.ContextVar(
     "ckptwrap_saved_observer", default=None
@@ -130,3 +139,36 @@ def saved_observer() -> Optional[Watch]:
     """The observer the next region entered now reports to (see :func:`observe_saved`);
     while a region's inputs are being saved on its entry, that region's observer."""
     return _OBSERVER.get()
+
+
+@contextlib.contextmanager
+def recompute_ahead(enable: bool = True) -> Iterator[None]:
+    """Regions whose forward runs inside the block (at top level) are recomputed ahead:
+    while backward differentiates one of them, the one entered before it is recomputed in
+    a worker thread, on a side stream (see ``_ahead``)."""
+    token = _AHEAD.set(enable)
+    try:
+        yield
+    finally:
+        _AHEAD.reset(token)
+
+
+def link_ahead(frame: Any) -> Optional[Callable[[], Any]]:
+    """For a region whose forward starts now: a weak reference to the region to recompute
+    ahead when backward starts on this one (the one entered before it), or None; records
+    this region as the last one entered."""
+    if not _AHEAD.get() or _IN_REGION.get() or _RECOMPUTING.get():
+        return None
+    previous = _LAST_AHEAD.get()
+    _LAST_AHEAD.set(weakref.ref(frame))
+    return previous
+
+
+@contextlib.contextmanager
+def in_region() -> Iterator[None]:
+    """Mark a region's forward as running, so regions entered inside it are not linked."""
+    token = _IN_REGION.set(True)
+    try:
+        yield
+    finally:
+        _IN_REGION.reset(token)

@@ -8,7 +8,7 @@ from ._base import Complement, Intersection, Policy, Union
 from ._blocks import find_blocks
 from ._library_units import code_units
 from ._grammar import as_policy, parse_policy
-from ._modifiers import DEFAULT_SELECTIVE_OPS, Budget, Offload, Selective, split_modifiers
+from ._modifiers import DEFAULT_SELECTIVE_OPS, Budget, Offload, Overlap, Selective, overlaps, split_modifiers
 from ._ops import draws_random, resolve_ops
 from ._terms import (
     All,
@@ -29,6 +29,7 @@ __all__ = [
     "Budget",
     "DEFAULT_SELECTIVE_OPS",
     "Offload",
+    "Overlap",
     "Selective",
     "split_modifiers",
     "Blocks",
@@ -48,6 +49,7 @@ __all__ = [
     "as_policy",
     "code_units",
     "find_blocks",
+    "overlaps",
     "parse_policy",
     "draws_random",
     "resolve_ops",

@@ -14,7 +14,7 @@ from torch import nn
 
 from .._errors import CheckpointConfigError
 from ._base import Policy, _install_operand_converter, _PolicyNotImplemented
-from ._modifiers import Budget, Offload, Recompute, Selective
+from ._modifiers import Budget, Offload, Overlap, Recompute, Selective
 from ._numbers import abbreviate, check_fraction, parse_count, parse_decimal
 from ._terms import (
     All,
@@ -98,6 +98,7 @@ _SYNTAX: Dict[str, _Syntax] = {
     "recompute": _Syntax("recompute", lambda _: Recompute()),
     "selective": _Syntax("selective[:OP,...]", _selective, optional=True),
     "offload": _Syntax("offload", lambda _: Offload()),
+    "overlap": _Syntax("overlap", lambda _: Overlap()),
 }
 
 _VALID_TERMS = ", ".join(syntax.usage for syntax in _SYNTAX.values())
@@ -114,7 +115,8 @@ def parse_policy(spec: str) -> Policy:
     nothing (the others are still checked against the model, so typos surface).
     ``budget:X`` (choose among the candidates from measured costs so that the training
     step's peak fits X), ``recompute``, ``selective[:OP,...]`` and ``offload`` (how the chosen modules
-    save memory) join with ``;`` only; :func:`ckptwrap.plan` acts on them. A budget plan
+    save memory) and ``overlap`` (recompute each one ahead of the backward, beside it)
+    join with ``;`` only; :func:`ckptwrap.plan` acts on them. A budget plan
     may recompute a module whole or save some of its operators' outputs (a selective
     level), whichever costs less time; ``recompute`` limits it to whole modules
     (``budget:50%;recompute``).

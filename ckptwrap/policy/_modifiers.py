@@ -1,11 +1,11 @@
-"""Terms that say how much or how, not which: ``budget:``, ``recompute``, ``selective``
-and ``offload``.
+"""Terms that say how much or how, not which: ``budget:``, ``recompute``, ``selective``,
+``offload`` and ``overlap``.
 
 They combine with the selecting terms through ``;`` / ``&`` only. Inside a selection they
 pick every candidate (so ``select`` still works on a policy that contains them); the
 planner takes them out and acts on them: ``budget:`` chooses among the candidates from
 measured costs, ``recompute``, ``selective`` and ``offload`` say what happens inside the
-chosen modules.
+chosen modules; ``overlap`` says when their recomputation runs.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ __all__ = [
     "Budget",
     "DEFAULT_SELECTIVE_OPS",
     "Offload",
+    "Overlap",
     "Recompute",
     "Selective",
     "split_modifiers",
@@ -216,12 +217,32 @@ class Offload(_Modifier):
         return "offload"
 
 
+@dataclasses.dataclass(frozen=True)
+class Overlap(_Modifier):
+    """``overlap``: recompute each chosen module ahead of the backward, in a worker thread
+    (on a side stream of the device) while backward runs through the module after it, so
+    that the recomputation's launches overlap the backward's instead of stalling it. Holds
+    one module's recomputed activations more at the peak. Joins ``recompute`` (the
+    default) or ``selective``."""
+
+    def describe(self) -> str:
+        return "overlap"
+
+
+def overlaps(policy: Policy) -> bool:
+    """Whether ``policy`` holds the ``overlap`` term (joined with ``;``)."""
+    if isinstance(policy, Overlap):
+        return True
+    return isinstance(policy, Intersection) and any(isinstance(p, Overlap) for p in policy.pickers)
+
+
 def split_modifiers(policy: Policy) -> Tuple[Policy, Optional[Budget], Optional[Policy]]:
     """Take the modifier terms out of ``policy``.
 
     Returns:
         (the selecting rest, the budget term or None, the tier term (Recompute,
         Selective or Offload) or None). The rest is ``blocks`` when nothing else selects.
+        ``overlap`` is left out of all three (see :func:`overlaps`).
 
     Raises:
         CheckpointConfigError: A modifier appears inside ``|`` or ``~``, appears twice,
@@ -240,9 +261,10 @@ def split_modifiers(policy: Policy) -> Tuple[Policy, Optional[Budget], Optional[
     modifiers = [p for p in parts_pickers if isinstance(p, _Modifier)]
     pickers = tuple(p for p in parts_pickers if not isinstance(p, _Modifier))
     budgets = [m for m in modifiers if isinstance(m, Budget)]
-    tiers = [m for m in modifiers if not isinstance(m, Budget)]
-    if len(budgets) > 1 or len(tiers) > 1:
-        twice = budgets if len(budgets) > 1 else tiers
+    tiers = [m for m in modifiers if not isinstance(m, (Budget, Overlap))]
+    ahead = [m for m in modifiers if isinstance(m, Overlap)]
+    if len(budgets) > 1 or len(tiers) > 1 or len(ahead) > 1:
+        twice = budgets if len(budgets) > 1 else tiers if len(tiers) > 1 else ahead
         raise CheckpointConfigError(
             f"a policy takes at most one budget term and one of recompute/selective/offload; got "
             f"{', '.join(m.describe() for m in twice)}"
@@ -266,6 +288,6 @@ def _reject_nested_modifiers(policy: Policy) -> None:
         ):
             raise CheckpointConfigError(
                 f"{part.describe()} cannot stand inside '|' or '~' in {policy.describe()}; "
-                f"join budget, recompute, selective and offload to the rest with ';' (or &)"
+                f"join budget, recompute, selective, offload and overlap to the rest with ';' (or &)"
             )
         _reject_nested_modifiers(part)

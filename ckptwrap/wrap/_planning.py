@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from .._errors import CheckpointConfigError
-from ..policy import Budget, Offload, Selective, as_policy, split_modifiers
+from ..policy import Budget, Offload, Selective, as_policy, overlaps, split_modifiers
 from ..planner import (
     Choice,
     ModelProfile,
@@ -287,6 +287,8 @@ def _select(
     policy_object = as_policy(policy)
     rest, budget, tier = split_modifiers(policy_object)
     tier_name, ops, resolved = _apply_tier(tier, resolved)
+    if overlaps(policy_object) or resolved.recompute_ahead:
+        resolved = _ahead_options(budget, tier_name, resolved)
     names = rest.select(model)
     modules = dict(model.named_modules())
     markings = {name: marking(module) for name, module in modules.items() if name}
@@ -358,6 +360,28 @@ def _apply_tier(
             )
         return "selective", tier.ops, dataclasses.replace(options, context_fn=SelectiveContexts(tier.ops))
     return "recompute", (), options
+
+
+def _ahead_options(budget: Optional[Budget], tier_name: str, options: CheckpointOptions) -> CheckpointOptions:
+    """The options for ``overlap`` (or ``recompute_ahead=True``), refused where nothing is
+    recomputed or where a budget's plan would not count the region held ahead."""
+    if tier_name == "offload":
+        raise CheckpointConfigError(
+            "overlap recomputes regions ahead of the backward, but offload recomputes nothing "
+            "(it copies saved tensors to the host); drop one of the two."
+        )
+    if budget is not None:
+        raise CheckpointConfigError(
+            f"overlap cannot join {budget.describe()} yet: the budget's plan does not count "
+            f"the region held ahead of the backward. Use a selecting policy (blocks;overlap) "
+            f"or drop overlap."
+        )
+    if options.use_reentrant:
+        raise CheckpointConfigError(
+            "overlap needs use_reentrant=False: the re-entrant engine reruns each region "
+            "inside its own backward node, with nothing to run ahead of."
+        )
+    return dataclasses.replace(options, recompute_ahead=True)
 
 
 def _callable_modules(

@@ -23,7 +23,7 @@ import torch
 from .. import _torch_private
 from .._compiling import outside_graph
 from .._errors import CheckpointConfigError
-from ..engine import checkpoint, is_recomputing
+from ..engine import checkpoint, is_recomputing, recompute_ahead
 from ._clients import without_cache_writes
 from ._distributed import check_reentrant_region
 from ._offload import default_offloader
@@ -63,8 +63,11 @@ def run_region(
     if options.use_reentrant and kwargs:
         # The re-entrant engine takes positional arguments only; handing it the keyword
         # arguments as one dict keeps their tensors in autograd (it flattens containers).
-        return checkpoint(_KeywordsFirst(call), kwargs, *args, **options.as_kwargs())
-    return checkpoint(call, *args, **options.as_kwargs(), **kwargs)
+        return checkpoint(_KeywordsFirst(call), kwargs, *args, **options.checkpoint_kwargs())
+    if options.recompute_ahead and not compiling:
+        with recompute_ahead():
+            return checkpoint(call, *args, **options.checkpoint_kwargs(), **kwargs)
+    return checkpoint(call, *args, **options.checkpoint_kwargs(), **kwargs)
 
 
 def run_segment(
@@ -96,7 +99,8 @@ def run_segment(
                 states.append(RngSnapshot.take(value))
         return tuple(outputs)
 
-    outputs = checkpoint(_KeepStats(tuple(owners), segment), value, **options.as_kwargs())
+    with recompute_ahead(options.recompute_ahead):
+        outputs = checkpoint(_KeepStats(tuple(owners), segment), value, **options.checkpoint_kwargs())
     states[0].restore()
     return outputs, states
 

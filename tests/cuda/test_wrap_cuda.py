@@ -6,6 +6,7 @@ Without CUDA every test here is skipped.
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -92,3 +93,46 @@ def test_budget_plan_is_honoured_on_the_device():
     )
     assert peak < plain_peak
     assert_same(gpt_step(model, batch), gpt_step(plain, batch), "budget plan vs plain")
+
+
+def _worker_threads(model):
+    """The names of the threads each block's first submodule ran in (in the forward and
+    in each recomputation), per block."""
+    seen = {}
+    handles = []
+    for block in model.blocks:
+        first = next(block.children())
+
+        def note(module, args, block=block):
+            seen.setdefault(block, []).append(threading.current_thread().name)
+
+        handles.append(first.register_forward_pre_hook(note))
+    return seen, handles
+
+
+@pytest.mark.parametrize("policy", ["blocks;overlap", "blocks;selective;overlap"])
+def test_overlap_recomputes_ahead_on_a_side_stream_with_bit_exact_gradients(policy):
+    """Blocks recomputed in the worker thread on a side stream, dropout and all, give the
+    plain model's gradients bit for bit, step after step."""
+    plain, config = small_gpt(layers=6)
+    model = ckptwrap.wrap_model(copy.deepcopy(plain), policy)
+    seen, handles = _worker_threads(model)
+    batch = _batch(config)
+    for seed in (1, 2, 3):
+        expected = gpt_step(plain, batch, seed=seed)
+        assert_same(gpt_step(model, batch, seed=seed), expected, f"{policy} vs plain, seed {seed}")
+    for handle in handles:
+        handle.remove()
+    ahead = [block for block, threads in seen.items() if "ckptwrap-recompute-ahead" in threads]
+    assert len(ahead) >= len(model.blocks) - 1, f"recomputed ahead: {len(ahead)} of {len(model.blocks)} blocks"
+
+
+def test_overlap_matches_torch_checkpoint_under_bf16_autocast():
+    plain, config = small_gpt(layers=4)
+    ours = ckptwrap.wrap_model(copy.deepcopy(plain), "blocks;overlap")
+    theirs = ckptwrap.wrap_model(copy.deepcopy(plain), "blocks")
+    batch = _batch(config)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        expected = gpt_step(theirs, batch)
+        got = gpt_step(ours, batch)
+    assert_same(got, expected, "overlap vs blocks under bf16 autocast")
