@@ -1,7 +1,7 @@
 """A catalogue of tiny Hugging Face architectures, built from configs with random weights
 (nothing is downloaded), for benchmarks that train each one for a few dozen steps on the
 CPU: causal and masked language models, encoder-decoders, speech, vision, hierarchical
-vision, multimodal and state-space models, each with a seeded batch maker.
+vision, multimodal, state-space and hybrid models, each with a seeded batch maker.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ class Architecture:
 
     name: str
     family: str
-    """causal, encoder, encoder-decoder, speech, vision, hierarchical vision, multimodal or
-    state-space."""
+    """causal, encoder, encoder-decoder, speech, vision, hierarchical vision, multimodal,
+    state-space or hybrid (recurrent or convolutional layers beside attention)."""
     build: Callable[[], nn.Module]
     """A fresh tiny model in train mode, the same weights every call (seed inside with
     torch.manual_seed(0))."""
@@ -269,6 +269,19 @@ _VISION_TOWER = dict(_TOWER, image_size=SIDE, patch_size=8)
 _MAMBA = dict(
     _SPECIAL, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4
 )
+# Hybrids default to use_cache=True, so their model builds its cache in training too (a
+# hybrid one: keys and values for the attention layers, conv and recurrent states for the
+# others) and hands it to every layer. Four layers, recurrent ones first, and head widths
+# that give the scans their 64 channels; Mamba kernels off (their pure-PyTorch paths).
+_HYBRID = dict(
+    _SPECIAL, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=TEXT[1],
+)
+_ALTERNATING = ["mamba", "attention", "mamba", "attention"]
+_MAMBA2_HEADS = dict(
+    mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+    mamba_chunk_size=32,
+)
 
 
 def _arch(
@@ -420,6 +433,73 @@ _CATALOGUE: List[Architecture] = [
     _causal(
         "rwkv", "RwkvForCausalLM", "state-space", hidden_size=32, attention_hidden_size=32,
         intermediate_size=64, num_hidden_layers=2, context_length=TEXT[1], **_SPECIAL,
+    ),
+    # Its model builds no cache in training.
+    _causal("falcon_mamba", "FalconMambaForCausalLM", "state-space", **_MAMBA),
+    # Hybrids, whose cache in training a checkpointed layer must neither write twice nor go
+    # without (their Mamba layers take other code without one).
+    _causal(
+        "jamba", "JambaForCausalLM", "hybrid", attn_layer_period=2, attn_layer_offset=1,
+        expert_layer_period=2, expert_layer_offset=1, num_experts=2, num_experts_per_tok=2,
+        mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8, use_mamba_kernels=False,
+        **_HYBRID,
+    ),
+    # Zamba's shared attention block runs at every third layer, tied across them.
+    _causal(
+        "zamba", "ZambaForCausalLM", "hybrid", attention_hidden_size=64, attention_head_dim=16,
+        n_mamba_heads=2, attn_layer_period=3, attn_layer_offset=2, mamba_d_state=8, mamba_d_conv=4,
+        mamba_expand=2, mamba_dt_rank=8, use_mamba_kernels=False,
+        **dict(_HYBRID, num_hidden_layers=6, num_key_value_heads=4),
+    ),
+    _causal(
+        "zamba2", "Zamba2ForCausalLM", "hybrid", layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
+        mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_ngroups=1, n_mamba_heads=4,
+        chunk_size=32, num_mem_blocks=1, adapter_rank=8, use_mem_rope=True, use_mamba_kernels=False,
+        **dict(_HYBRID, num_key_value_heads=4),
+    ),
+    _causal("bamba", "BambaForCausalLM", "hybrid", attn_layer_indices=[1, 3], **_MAMBA2_HEADS, **_HYBRID),
+    _causal(
+        "granitemoehybrid", "GraniteMoeHybridForCausalLM", "hybrid", layer_types=_ALTERNATING,
+        num_local_experts=2, num_experts_per_tok=2, shared_intermediate_size=64, **_MAMBA2_HEADS, **_HYBRID,
+    ),
+    _causal(
+        "falcon_h1", "FalconH1ForCausalLM", "hybrid", mamba_d_ssm=64, **_MAMBA2_HEADS,
+        **dict(_HYBRID, num_hidden_layers=2),
+    ),
+    _causal(
+        "nemotron_h", "NemotronHForCausalLM", "hybrid", layers_block_type=["mamba", "attention", "mamba", "mlp"],
+        head_dim=8, ssm_state_size=8, mamba_num_heads=4, mamba_head_dim=16, n_groups=1, conv_kernel=4,
+        expand=2, chunk_size=32, use_mamba_kernels=False, **_HYBRID,
+    ),
+    # Gated delta-net and other linear-attention layers, with their conv and recurrent states.
+    _causal(
+        "qwen3_next", "Qwen3NextForCausalLM", "hybrid", head_dim=8,
+        layer_types=["linear_attention", "full_attention"] * 2, linear_conv_kernel_dim=4,
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+        num_experts=2, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        **_HYBRID,
+    ),
+    _causal(
+        "olmo_hybrid", "OlmoHybridForCausalLM", "hybrid",
+        layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=2,
+        linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+        **_HYBRID,
+    ),
+    _causal(
+        "kimi_linear", "KimiLinearForCausalLM", "hybrid", layer_types=["linear_attention", "full_attention"],
+        moe_intermediate_size=32, n_shared_experts=1, kv_lora_rank=16, q_lora_rank=None,
+        qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8, num_experts_per_tok=2, num_local_experts=2,
+        linear_head_dim=8, linear_num_heads=4, linear_conv_kernel_dim=4,
+        **dict(_HYBRID, num_hidden_layers=2, num_key_value_heads=4),
+    ),
+    _causal(
+        "minimax", "MiniMaxForCausalLM", "hybrid", head_dim=8, layer_types=["linear_attention", "full_attention"],
+        num_local_experts=2, num_experts_per_tok=2, block_size=16, **dict(_HYBRID, num_hidden_layers=2),
+    ),
+    # Short convolutions beside attention, their windows in the cache.
+    _causal(
+        "lfm2", "Lfm2ForCausalLM", "hybrid", layer_types=["conv", "full_attention"] * 2, conv_L_cache=3,
+        block_auto_adjust_ff_dim=False, **_HYBRID,
     ),
 ]
 

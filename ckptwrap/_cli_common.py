@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-__all__ = ["DTYPES", "UsageError", "add_model_arguments", "build_model", "prepare"]
+__all__ = ["DTYPES", "UsageError", "add_model_arguments", "build_model", "parse_dtype", "prepare"]
 
 DTYPES = {
     "float32": torch.float32,
@@ -31,7 +31,7 @@ DTYPES = {
     "int64": torch.int64,
     "int32": torch.int32,
 }
-"""Input dtypes by the name ``--input-dtype`` takes."""
+"""Input dtypes by the name ``--input-dtype`` (and an input's ``:DTYPE``) takes."""
 
 _WHOLE_NUMBER = re.compile(r"[0-9]+")
 
@@ -53,20 +53,23 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, device_help: str) ->
         "--input-shape",
         action="append",
         default=[],
-        metavar="N,N,...",
-        help="shape of one positional input of the model's forward; repeat for several inputs",
+        metavar="N,N,...[:DTYPE]",
+        help="shape of one positional input of the model's forward, and its own dtype after a "
+        "colon (e.g. 2,300:long for a graph's edge_index beside float features); repeat for "
+        "several inputs",
     )
     parser.add_argument(
         "--input-dtype",
         choices=sorted(DTYPES),
-        help="dtype of the inputs (default: float32, or long with --input-high)",
+        help="dtype of the inputs that name none of their own (default: float32; long with "
+        "--input-high when no input names its own)",
     )
     parser.add_argument(
         "--input-high",
         "--vocab",
         type=int,
         metavar="N",
-        help="draw integer inputs (token ids) uniformly from [0, N)",
+        help="draw integer inputs (token ids, indices) uniformly from [0, N)",
     )
     parser.add_argument("--device", default="cpu", help=device_help)
     parser.add_argument("--seed", type=int, default=0, help="seed for the model and the inputs")
@@ -90,8 +93,9 @@ def prepare(
         UsageError: For a bad flag, a factory that cannot be loaded or called, or inputs
             the model cannot take.
     """
-    shapes = [_parse_shape(text) for text in args.input_shape]
-    dtype = _input_dtype(args.input_dtype, args.input_high)
+    parsed = [_parse_input_shape(text) for text in args.input_shape]
+    shapes = [shape for shape, _ in parsed]
+    dtypes = _input_dtypes([own for _, own in parsed], args.input_dtype, args.input_high)
     device = _device(args.device)
     torch.manual_seed(args.seed)
     make = build if build is not None else functools.partial(build_model, args.factory)
@@ -102,14 +106,14 @@ def prepare(
             model = make().train()
         cpu = torch.device("cpu")
         kwargs = keyword(model, cpu) if keyword is not None else {}
-        return model, _make_inputs(shapes, dtype, args.input_high, cpu, args.seed), kwargs, shapes
+        return model, _make_inputs(shapes, dtypes, args.input_high, cpu, args.seed), kwargs, shapes
     model = make()
     try:
         model.to(device)
     except (RuntimeError, AssertionError) as error:  # torch asserts on a missing backend
         raise UsageError(f"cannot move the model to --device {args.device}: {error}") from None
     model.train()  # what a training step keeps is what both commands look at
-    inputs = _make_inputs(shapes, dtype, args.input_high, device, args.seed)
+    inputs = _make_inputs(shapes, dtypes, args.input_high, device, args.seed)
     kwargs = keyword(model, device) if keyword is not None else {}
     if inputs or kwargs:
         _try_forward(model, inputs, kwargs)
@@ -198,19 +202,61 @@ def _import_file(path: Path) -> ModuleType:
 # --------------------------------------------------------------------------- the inputs
 
 
-def _parse_shape(text: str) -> Tuple[int, ...]:
+def _parse_input_shape(text: str) -> Tuple[Tuple[int, ...], Optional[str]]:
+    """``N,N,...`` and, after a colon, the input's own dtype (a name of :data:`DTYPES`)."""
+    shape, colon, dtype = text.partition(":")
+    if colon:
+        parse_dtype(dtype, f"--input-shape {text!r}")
+    return _parse_shape(shape, text), (dtype.strip() if colon else None)
+
+
+def parse_dtype(name: str, where: str) -> torch.dtype:
+    """The dtype an input names after its shape's colon."""
+    dtype = DTYPES.get(name.strip())
+    if dtype is None:
+        raise UsageError(
+            f"bad {where}: the dtype after the colon must be one of {', '.join(sorted(DTYPES))}, "
+            f"got {name.strip()!r}"
+        )
+    return dtype
+
+
+def _parse_shape(text: str, given: str) -> Tuple[int, ...]:
     parts = [part.strip() for part in text.split(",")]
     if not all(_WHOLE_NUMBER.fullmatch(part) and int(part) > 0 for part in parts):
         raise UsageError(
-            f"bad --input-shape {text!r}: expected positive integers separated by commas, "
-            f"such as 8,256 or 8,3,128,128"
+            f"bad --input-shape {given!r}: expected positive integers separated by commas, "
+            f"such as 8,256 or 8,3,128,128 (and, for an input of its own dtype, :DTYPE after "
+            f"them, such as 2,300:long)"
         )
     return tuple(int(part) for part in parts)
 
 
-def _input_dtype(name: Any, high: Any) -> torch.dtype:
+def _input_dtypes(own: Sequence[Optional[str]], name: Any, high: Any) -> List[torch.dtype]:
+    """Each positional input's dtype: its own (``N,N:DTYPE``), else ``--input-dtype``'s,
+    else float32, or long with ``--input-high`` when no input names its own."""
     if high is not None and high < 1:
         raise UsageError(f"--input-high must be at least 1, got {high}")
+    if not any(own):
+        dtype = _input_dtype(name, high)
+        return [dtype] * len(own)
+    default = DTYPES[name] if name is not None else torch.float32
+    dtypes = [DTYPES[mine] if mine else default for mine in own]
+    integer = [i for i, dtype in enumerate(dtypes) if not dtype.is_floating_point]
+    if integer and high is None:
+        raise UsageError(
+            f"input {integer[0]} is of an integer dtype ({str(dtypes[integer[0]]).replace('torch.', '')}), "
+            f"which needs --input-high N (or --vocab N) to draw ids in [0, N)"
+        )
+    if not integer and high is not None:
+        raise UsageError(
+            "--input-high draws integer ids, but every input is floating-point; give an "
+            "integer input its dtype (N,N:long), or drop --input-high"
+        )
+    return dtypes
+
+
+def _input_dtype(name: Any, high: Any) -> torch.dtype:
     if name is None:
         return torch.int64 if high is not None else torch.float32
     dtype = DTYPES[name]
@@ -235,17 +281,18 @@ def _device(name: str) -> torch.device:
 
 def _make_inputs(
     shapes: Sequence[Tuple[int, ...]],
-    dtype: torch.dtype,
+    dtypes: Sequence[torch.dtype],
     high: Any,
     device: torch.device,
     seed: int,
 ) -> Tuple[torch.Tensor, ...]:
     # A private generator on the CPU: the same inputs on every device and run.
     generator = torch.Generator().manual_seed(seed)
-    if dtype.is_floating_point:
-        made = [torch.randn(shape, generator=generator).to(dtype) for shape in shapes]
-    else:
-        made = [torch.randint(high, shape, generator=generator, dtype=dtype) for shape in shapes]
+    made = [
+        torch.randn(shape, generator=generator).to(dtype) if dtype.is_floating_point
+        else torch.randint(high, shape, generator=generator, dtype=dtype)
+        for shape, dtype in zip(shapes, dtypes)
+    ]
     return tuple(tensor.to(device) for tensor in made)
 
 

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ._cli_common import UsageError
+from ._cli_common import UsageError, parse_dtype
 
 __all__ = ["CONFIG_PREFIX", "build_from_config", "keyword_inputs"]
 
@@ -110,10 +110,10 @@ def keyword_inputs(
     same on every device) and put on ``device``."""
     generator = torch.Generator().manual_seed(seed)
     made: Dict[str, torch.Tensor] = {}
-    for name, shape in _parsed(specs):
+    for name, shape, dtype in _parsed(specs):
         if name in made:
             raise UsageError(f"--input {name} is given twice")
-        made[name] = _tensor(name, shape, model, vocab, generator)
+        made[name] = _tensor(name, shape, model, vocab, generator, dtype)
     if labels:
         if "input_ids" not in made:
             raise UsageError("--labels copies input_ids: give --input input_ids=N,N")
@@ -121,21 +121,35 @@ def keyword_inputs(
     return {name: tensor.to(device) for name, tensor in made.items()}
 
 
-def _parsed(specs: Sequence[str]) -> List[Tuple[str, Tuple[int, ...]]]:
+def _parsed(specs: Sequence[str]) -> List[Tuple[str, Tuple[int, ...], Optional[torch.dtype]]]:
     parsed = []
     for spec in specs:
-        name, equals, shape = spec.partition("=")
+        name, equals, rest = spec.partition("=")
+        shape, colon, dtype = rest.partition(":")
         parts = [part.strip() for part in shape.split(",")]
         if not equals or not name.strip().isidentifier() or not all(p.isdigit() and int(p) > 0 for p in parts):
             raise UsageError(
                 f"bad --input {spec!r}: expected NAME=N,N,..., a keyword of the forward and a "
-                f"shape of positive integers, such as input_ids=1,8192"
+                f"shape of positive integers, such as input_ids=1,8192 (and, for a dtype of its "
+                f"own, :DTYPE after them, such as edge_index=2,300:long)"
             )
-        parsed.append((name.strip(), tuple(int(part) for part in parts)))
+        own = parse_dtype(dtype, f"--input {spec!r}") if colon else None
+        parsed.append((name.strip(), tuple(int(part) for part in parts), own))
     return parsed
 
 
-def _tensor(name: str, shape: Tuple[int, ...], model: nn.Module, vocab: Optional[int], generator: torch.Generator) -> torch.Tensor:
+def _tensor(
+    name: str,
+    shape: Tuple[int, ...],
+    model: nn.Module,
+    vocab: Optional[int],
+    generator: torch.Generator,
+    dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    if dtype is not None:  # named on the command line: drawn as that dtype is
+        if dtype.is_floating_point:
+            return torch.randn(shape, generator=generator).to(dtype)
+        return torch.randint(_vocabulary(name, model, vocab), shape, generator=generator, dtype=dtype)
     if name.endswith("mask"):
         return torch.ones(shape, dtype=torch.long)
     if name == "token_type_ids":
@@ -143,9 +157,14 @@ def _tensor(name: str, shape: Tuple[int, ...], model: nn.Module, vocab: Optional
     if name == "position_ids":
         return torch.arange(shape[-1]).expand(shape).contiguous()
     if name.endswith("ids") or name == "labels":
-        high = vocab or getattr(getattr(model, "config", None), "vocab_size", None)
-        if not high:
-            raise UsageError(f"--input {name}: ids need --vocab N (the model has no config.vocab_size)")
-        return torch.randint(int(high), shape, generator=generator)
+        return torch.randint(_vocabulary(name, model, vocab), shape, generator=generator)
     floating = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     return torch.randn(shape, generator=generator).to(floating)
+
+
+def _vocabulary(name: str, model: nn.Module, vocab: Optional[int]) -> int:
+    """The bound integer inputs are drawn below: ``--vocab``, else the model's vocab_size."""
+    high = vocab or getattr(getattr(model, "config", None), "vocab_size", None)
+    if not high:
+        raise UsageError(f"--input {name}: ids need --vocab N (the model has no config.vocab_size)")
+    return int(high)

@@ -4,10 +4,7 @@ importing it.
 transformers marks the layers its own gradient checkpointing checkpoints as subclasses of
 ``GradientCheckpointingLayer``. A model built by transformers has imported the module
 that defines it; when that module is absent, no module can be such a layer, and importing
-transformers on our account would cost seconds. Such layers write new keys and values
-into a KV cache passed to them, so a second run of one (a recomputation, a measurement)
-runs without the cache writes, as transformers' own gradient checkpointing does
-(:func:`cache_free_arguments`).
+transformers on our account would cost seconds.
 
 Also here: the flags by which transformers, diffusers and timm modules switch their own
 gradient checkpointing on (:data:`FLAGS`), torch's ``CheckpointWrapper`` switched the same
@@ -25,8 +22,10 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+
 __all__ = [
     "FLAGS",
+    "cache_class",
     "cache_free_arguments",
     "checkpointing_flagged",
     "call_directly",
@@ -47,6 +46,12 @@ _LAYERS_MODULE = "transformers.modeling_layers"
 _LAYER_CLASS = "GradientCheckpointingLayer"
 _CACHE_MODULE = "transformers.cache_utils"
 _CACHE_CLASS = "Cache"
+
+
+def cache_class() -> Optional[type]:
+    """transformers' ``Cache``, if transformers is loaded."""
+    found = getattr(sys.modules.get(_CACHE_MODULE), _CACHE_CLASS, None)
+    return found if isinstance(found, type) else None
 
 # Per class, since every checkpointed forward asks. Sound because a class can only derive
 # from the layer class once it exists.
@@ -184,15 +189,16 @@ def fresh_caches(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[A
     into the cache it is given; on a copy, the caller's cache stays as the caller left it
     and the next run does not find it written already.
     """
-    cache_class = getattr(sys.modules.get(_CACHE_MODULE), _CACHE_CLASS, None)
-    if not isinstance(cache_class, type):
+    kind = cache_class()
+    if kind is None:
         return args, kwargs
     memo: Dict[int, Any] = {}  # one cache passed twice stays one object
 
     def fresh(value: Any) -> Any:
-        return copy.deepcopy(value, memo) if isinstance(value, cache_class) else value
+        return copy.deepcopy(value, memo) if isinstance(value, kind) else value
 
     return tuple(fresh(a) for a in args), {key: fresh(value) for key, value in kwargs.items()}
+
 
 _CACHE_ARGUMENTS = ("past_key_values", "layer_past")
 

@@ -24,14 +24,24 @@ _OURS = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
-def warn(message: str, category: Type[Warning] = UserWarning) -> None:
-    """``warnings.warn`` attributed to the innermost frame outside ckptwrap and torch."""
+def warn(message: str, category: Type[Warning] = UserWarning, *, repeat: bool = False) -> None:
+    """``warnings.warn`` attributed to the innermost frame outside ckptwrap and torch.
+
+    With ``repeat``, said each time it is called (the user's filters still apply): the
+    caller decides how often, where the default filter would show a message only the
+    first time it comes from a line (a shape met again after others, say).
+    """
     level = 2  # 1 would be this function; 2 its caller
     frame = sys._getframe(1)
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith((_OURS, _TORCH)):
         frame = frame.f_back
         level += 1
-    warnings.warn(message, category, stacklevel=level if frame is not None else 2)
+    if not repeat or frame is None:
+        warnings.warn(message, category, stacklevel=level if frame is not None else 2)
+        return
+    module = frame.f_globals.get("__name__", "<string>")
+    # No registry: nothing remembers that this line said it before.
+    warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno, module=module)
 
 
 def note(message: str) -> None:

@@ -87,9 +87,10 @@ def _build_parser() -> argparse.ArgumentParser:
         "--input",
         action="append",
         default=[],
-        metavar="NAME=N,N,...",
+        metavar="NAME=N,N,...[:DTYPE]",
         help="a keyword input of the forward and its shape, e.g. input_ids=1,8192 (ids drawn "
-        "below --vocab or the model's vocab_size; *mask ones); repeat for several",
+        "below --vocab or the model's vocab_size; *mask ones), and its own dtype after a colon "
+        "(edge_index=2,300:long); repeat for several",
     )
     sub.add_argument("--labels", action="store_true", help="labels: a copy of input_ids")
     sub.add_argument(

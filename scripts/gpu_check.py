@@ -62,7 +62,7 @@ if torch.cuda.is_available():
     info.update({"device": props.name, "device memory GiB": round(props.total_memory / 2**30, 1),
                  "compute capability": f"{props.major}.{props.minor}", "devices": torch.cuda.device_count(),
                  "cuDNN": torch.backends.cudnn.version()})
-for name in ("transformers", "wrapt", "pytest", "hypothesis", "setuptools", "pip"):
+for name in ("transformers", "pytest", "hypothesis", "setuptools", "pip"):
     try:
         info[name] = md.version(name)
     except md.PackageNotFoundError:
@@ -127,7 +127,7 @@ def _llama(seq: int) -> Callable[[Context], List[str]]:
 
 def _planner(ctx: Context) -> List[str]:
     argv = [ctx.python, "benchmarks/gpu_planner.py", "--json", str(ctx.out / "logs" / "planner.json")]
-    return argv + (["--device", "cpu", "--tiny"] if ctx.dry_run else [])
+    return argv + (["--device", "cpu", "--tiny", "--parts", "dynamic"] if ctx.dry_run else [])
 
 
 def _repeat_exactness(ctx: Context) -> List[str]:

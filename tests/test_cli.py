@@ -615,3 +615,80 @@ def test_an_unknown_optimizer_is_a_usage_error_naming_the_known_ones(capsys):
         cli.main(["plan", *_LLAMA, "--optimizer", "lion"])
     assert exited.value.code == 2
     assert "invalid choice: 'lion'" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- a dtype per input
+
+
+class _GraphConv(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, edge_index: torch.Tensor) -> torch.Tensor:
+        source, target = edge_index
+        return torch.tanh(torch.zeros_like(x).index_add(0, target, self.fc(x)[source]))
+
+
+class _Graph(nn.Module):
+    """Float node features beside an integer edge_index: inputs of two dtypes."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.convs = nn.ModuleList(_GraphConv(width) for _ in range(3))
+
+    def forward(self, x: torch.Tensor, edge_index: torch.Tensor) -> torch.Tensor:
+        if not x.is_floating_point() or edge_index.dtype != torch.long:
+            raise TypeError(f"features must be floating-point and edge_index long, got {x.dtype}, {edge_index.dtype}")
+        for conv in self.convs:
+            x = conv(x, edge_index)
+        return x
+
+
+def tiny_graph() -> nn.Module:
+    return _Graph()
+
+
+_GRAPH = [f"{_HERE}:tiny_graph", "--input-shape", "20,16", "--input-shape", "2,40:long", "--input-high", "20"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        _GRAPH,
+        [f"{_HERE}:tiny_graph", "--input-shape", "20,16:float32", "--input-shape", "2,40:int64", "--vocab", "20"],
+        [f"{_HERE}:tiny_graph", "--input-dtype", "float32", "--input-shape", "20,16", "--input-shape", "2,40:long",
+         "--input-high", "20"],
+        [f"{_HERE}:tiny_graph", "--input", "x=20,16", "--input", "edge_index=2,40:long", "--vocab", "20"],
+    ],
+    ids=["shape-dtype", "both-named", "input-dtype-beside", "keyword-dtype"],
+)
+def test_each_input_takes_its_own_dtype(capsys, argv):
+    code, out, err = _run(capsys, *argv, "--json")
+    assert code == 0, err
+    assert [entry["name"] for entry in json.loads(out)["selected"]] == [f"convs.{i}" for i in range(3)]
+    # The doctor's command line takes the same inputs.
+    assert cli.main(["doctor", *_GRAPH, "--policy", "blocks"]) == 0, capsys.readouterr()
+    # The old flag, one dtype for every input, works as it did.
+    code, _, err = _run(capsys, f"{_HERE}:tiny_graph", "--input-shape", "20,16", "--input-shape", "2,40",
+                        "--input-dtype", "long", "--input-high", "20")
+    assert code == 2 and "failed on inputs (20, 16) int64, (2, 40) int64" in err, err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--input-shape", "20,16", "--input-shape", "2,40:lng", "--input-high", "20"],
+         "bad --input-shape '2,40:lng': the dtype after the colon must be one of"),
+        (["--input-shape", "20,16", "--input-shape", "2,40:long"], "input 1 is of an integer dtype (int64), which needs --input-high N"),
+        (["--input-shape", "20,16:float32", "--input-shape", "2,40:float32", "--input-high", "20"],
+         "--input-high draws integer ids, but every input is floating-point"),
+        (["--input", "x=20,16", "--input", "edge_index=2,40:long"], "--input edge_index: ids need --vocab N"),
+        (["--input", "x=20,16", "--input", "edge_index=2,40:bool", "--vocab", "20"],
+         "bad --input 'edge_index=2,40:bool': the dtype after the colon must be one of"),
+    ],
+)
+def test_a_bad_input_dtype_exits_2_naming_it(capsys, argv, message):
+    code, _, err = _run(capsys, f"{_HERE}:tiny_graph", *argv)
+    assert code == 2 and message in err, err
+    assert len(err.strip().splitlines()) == 1

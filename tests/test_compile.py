@@ -105,17 +105,8 @@ def _decorated(block: Block) -> Block:
     return decorated
 
 
-_SEEN_THROUGH = pytest.mark.xfail(
-    strict=True,
-    reason="wrapt's proxy reports the decorated forward as a plain function with the original "
-    "code, so the compiler inlines the undecorated forward: right gradients, no checkpoint",
-)
-
-
 @pytest.mark.parametrize(
-    "mark",
-    [ckptwrap.CheckpointWrapper, pytest.param(_decorated, marks=_SEEN_THROUGH)],
-    ids=["CheckpointWrapper", "checkpointed"],
+    "mark", [ckptwrap.CheckpointWrapper, _decorated], ids=["CheckpointWrapper", "checkpointed"]
 )
 def test_compiled_model_with_marked_blocks_trains_like_eager(mark):
     torch.manual_seed(0)

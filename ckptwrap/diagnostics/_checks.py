@@ -184,15 +184,24 @@ def check_transformers_checkpointing(
 
 
 def check_not_called(
-    regions: List[Region], logs: Dict[str, CallLog], called: Set[str], prefix: str
+    regions: List[Region],
+    logs: Dict[str, CallLog],
+    called: Set[str],
+    prefix: str,
+    grads: Optional[Dict[str, Optional[torch.Tensor]]] = None,
 ) -> List[Finding]:
-    """Regions the step never called: their marking has no effect.
+    """Regions the step never called, said as what the step showed: their parent used
+    their submodules or parameters directly (their marking has no effect), or nothing of
+    theirs ran at all (the forward did not reach them on these inputs: a data-dependent
+    exit or branch), so the step could not check them.
 
     Args:
         regions: The regions.
         logs: Their calls in the checkpointed step.
         called: Every module the plain step called (see ``recording_calls``).
         prefix: See :func:`display`.
+        grads: The plain step's parameter gradients, by qualified name: a parameter of the
+            region that got one was used although the region was not called.
     """
     findings = []
     for region in regions:
@@ -200,16 +209,42 @@ def check_not_called(
             continue
         name = display(prefix, region.name)
         parts = [display(prefix, part) for part in _called_parts(region, called)]
+        used = _parameters_used(region, grads or {})
+        if not parts and not used:
+            findings.append(_not_reached(region, name))
+            continue
         calls = f"; the forward calls {_few(parts)} inside it" if parts else ""
+        uses = f"; its parameters {_few(used)} get gradients" if used and not parts else ""
         findings.append(Finding(
             "warning", "not-called", name,
             f"{name} is checkpointed but the model never called it in the step: its parent "
             f"uses its submodules or parameters directly, so nothing there is checkpointed.",
             "checkpoint a module that the forward calls (the parent, or the submodules it "
             "calls), or make sure the example inputs take the path you train on.",
-            details=(f"{name} ({region.kind}){calls}",),
+            details=(f"{name} ({region.kind}){calls}{uses}",),
         ))
     return findings
+
+
+def _not_reached(region: Region, name: str) -> Finding:
+    return Finding(
+        "info", "not-called", name,
+        f"{name} is checkpointed but was not called in the step doctor ran, nor was anything "
+        f"inside it: the forward did not reach it on these inputs (a data-dependent exit or "
+        f"branch, say), so doctor could not check it.",
+        "nothing to change if training inputs reach it; to check it, give example inputs "
+        "that take it. If no input ever does, its marking has no effect.",
+        details=(f"{name} ({region.kind}): not called, nor its submodules, and its parameters got no gradient",),
+    )
+
+
+def _parameters_used(region: Region, grads: Dict[str, Optional[torch.Tensor]]) -> List[str]:
+    """The region's parameters that got a gradient in the plain step, by qualified name."""
+    prefix = region.name + "." if region.name else ""
+    return [
+        prefix + name for name, _ in region.runs.named_parameters()
+        if grads.get(prefix + name) is not None
+    ]
 
 
 def _called_parts(region: Region, called: Set[str]) -> List[str]:

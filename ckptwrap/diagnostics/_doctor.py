@@ -51,7 +51,9 @@ def doctor(
       nested inside another, or a region that a library's own gradient checkpointing
       also checkpoints (transformers', diffusers' or timm's flag on, torch's
       ``CheckpointWrapper``), or that the model's own code hands to a checkpoint function;
-    - ``not-called`` (warning): a region the forward never calls;
+    - ``not-called`` (warning): a region the forward never calls, its parent using its
+      submodules or parameters directly; (info) a region the step did not reach at all,
+      nor anything inside it (a data-dependent exit), which the step could not check;
     - ``buffers-changed`` (info): a region whose forward changes buffers in place
       (spectral normalisation's ``u`` and ``v``, a counter), named, with how ckptwrap
       replays them;
@@ -133,7 +135,7 @@ def doctor(
         findings += _checks.check_dropout_rng(regions, logs, prefix)
         findings += comparison.findings
         findings += _loss_mismatch(checkpointed, plain)
-        findings += _checks.check_not_called(regions, logs, called, prefix)
+        findings += _checks.check_not_called(regions, logs, called, prefix, plain.grads)
         findings += _checks.check_reentrant_calls(regions, logs, comparison.missing, prefix)
     if regions:
         measured = _profile(plain_model, regions, args, kwargs)

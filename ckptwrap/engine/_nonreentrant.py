@@ -24,11 +24,11 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from .. import _torch_private
-from .._errors import CheckpointError
+from .._errors import CheckpointError, input_changed_error, is_version_error
 from . import _ahead, _device, _state, _tree
 from ._debug import OpRecorder, describe_ops
 
-__all__ = ["run_checkpointed"]
+__all__ = ["changed_input", "input_versions", "run_checkpointed"]
 
 # None on torch before 2.12: a region's inputs are saved through a no-op Function instead.
 _make_saved_tensor = _torch_private.make_saved_tensor
@@ -67,10 +67,11 @@ class _SavedInputs:
 
     Saving them through autograd's own mechanism is what makes nesting work: inside an
     enclosing checkpoint they become that region's placeholders, outside they are plain
-    references, and an in-place change before backward is reported by autograd.
+    references, and an in-place change before backward is caught by autograd's version
+    check (reported naming the region, and whether its own forward made the change).
     """
 
-    __slots__ = ("_items", "_spec", "_saved", "devices")
+    __slots__ = ("_items", "_spec", "_saved", "devices", "_versions", "changed")
 
     def __init__(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         if kwargs or not all(_is_simple(a) for a in args):
@@ -81,10 +82,21 @@ class _SavedInputs:
         # The accelerators whose RNG state the recomputation must replay.
         self.devices = _device.devices_of(tensors)
         self._items = [_SLOT if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+        # Held through the forward only: the region changing an input in place is named
+        # when the recomputation finds it changed (see ``forward_done``).
+        self._versions: Optional[List[Tuple[torch.Tensor, int]]] = input_versions(tensors)
+        self.changed: Optional[str] = None
+        """The input the region's forward changed in place, described; None if none."""
         if _make_saved_tensor is not None:
             self._saved: Any = [_make_saved_tensor(t, is_output=False) for t in tensors]
         else:
             self._saved = _save_through_function(tensors)
+
+    def forward_done(self) -> None:
+        """After the region's forward: note an input it changed in place, and let go of
+        the inputs (inside an enclosing region they are that region's placeholders)."""
+        versions, self._versions = self._versions, None
+        self.changed = changed_input(versions or [])
 
     def restore(self) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
         if isinstance(self._saved, list):
@@ -122,6 +134,27 @@ def _save_through_function(tensors: List[torch.Tensor]) -> torch.Tensor:
         return _SaveInputs.apply(anchor, *tensors)
 
 
+def input_versions(tensors: List[torch.Tensor]) -> List[Tuple[torch.Tensor, int]]:
+    """Each input tensor with its version counter now (inference tensors have none)."""
+    found = []
+    for tensor in tensors:
+        try:
+            found.append((tensor, tensor._version))
+        except RuntimeError:  # an inference tensor cannot be changed in a training forward
+            continue
+    return found
+
+
+def changed_input(versions: List[Tuple[torch.Tensor, int]]) -> Optional[str]:
+    """The first of these inputs whose version moved since, described; None if none did."""
+    changed = [tensor for tensor, version in versions if tensor._version != version]
+    if not changed:
+        return None
+    first = changed[0]
+    more = f", and {len(changed) - 1} more" if len(changed) > 1 else ""
+    return f"(a {str(first.dtype).replace('torch.', '')} tensor of shape {tuple(first.shape)}{more})"
+
+
 def _is_simple(value: Any) -> bool:
     return value is None or isinstance(value, (torch.Tensor, int, float, bool, str))
 
@@ -131,6 +164,7 @@ class _Frame:
 
     __slots__ = (
         "replay",
+        "region",
         "inputs",
         "holders",
         "metas",
@@ -147,6 +181,7 @@ class _Frame:
     def __init__(
         self,
         replay: Callable[[Tuple[Any, ...], Dict[str, Any]], None],
+        region: Callable[..., Any],
         inputs: _SavedInputs,
         *,
         early_stop: bool,
@@ -154,6 +189,8 @@ class _Frame:
         debug: Optional[Tuple[OpRecorder, OpRecorder]],
     ) -> None:
         self.replay = replay
+        self.region = region
+        """What the region runs (the module or function), for errors."""
         self.inputs = inputs
         self.holders: List[weakref.ref] = []
         self.metas: List[_Meta] = []
@@ -272,7 +309,14 @@ def _current_gid() -> Tuple[Any, str]:
 
 def _recompute(frame: _Frame, gid: Any) -> None:
     # The inputs first, outside the lock: restoring them may recompute an enclosing region.
-    args, kwargs = frame.inputs.restore()
+    try:
+        args, kwargs = frame.inputs.restore()
+    except RuntimeError as error:
+        if not is_version_error(error):
+            raise
+        # Autograd's version check on the inputs kept: its words name neither the region
+        # nor checkpointing.
+        raise input_changed_error(frame.region, frame.inputs.changed, error) from error
     _rerun(frame, gid, args, kwargs)
     frame.recomputed.add(gid)
 
@@ -376,7 +420,7 @@ def run_checkpointed(
             fn(*replay_args, **replay_kwargs)
 
     frame = _Frame(
-        replay, inputs, early_stop=early_stop, checked=check, debug=recorders
+        replay, fn, inputs, early_stop=early_stop, checked=check, debug=recorders
     )
     frame.ahead = _state.link_ahead(frame)
     completed = False
@@ -390,6 +434,7 @@ def run_checkpointed(
             stack.enter_context(recorders[0])
         output = fn(*args, **kwargs)
         completed = True
+    inputs.forward_done()
     if not completed:
         raise CheckpointError(
             "The forward context returned by context_fn suppressed an exception raised inside "

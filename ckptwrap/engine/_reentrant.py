@@ -7,7 +7,9 @@ flattened into the Function's inputs and outputs, so they take part in autograd.
 when no input requires grad, an anchor input that does is added, so that parameters
 used inside the region still receive their gradients (the frozen-embedding trap). The
 forward runs with autograd on but keeps no saved tensors, so each output requires grad
-exactly when it does in the plain run.
+exactly when it does in the plain run. A region whose forward changes an input in place
+is refused at its backward, named, before the recomputation would start from the
+changed input.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ import torch.utils.checkpoint
 from torch.autograd.graph import saved_tensors_hooks
 
 from .. import _torch_private
-from .._errors import CheckpointError
+from .._errors import CheckpointError, input_changed_error, is_version_error
 from . import _device, _state, _tree
+from ._nonreentrant import changed_input, input_versions
 
 __all__ = ["run_reentrant"]
 
@@ -42,7 +45,8 @@ class _Region:
     """What the backward needs to rerun one region; filled in by the forward."""
 
     __slots__ = (
-        "fn", "original_args", "arg_spec", "arg_leaves", "state", "out_spec", "out_leaves", "has_anchor"
+        "fn", "original_args", "arg_spec", "arg_leaves", "state", "out_spec", "out_leaves", "has_anchor",
+        "changed",
     )
 
     def __init__(self, fn: Callable[..., Any], arg_leaves: List[Any], arg_spec: Any) -> None:
@@ -54,6 +58,7 @@ class _Region:
         self.out_spec: Any = None
         self.out_leaves: List[Any] = []  # same, for the output
         self.has_anchor = False
+        self.changed: Optional[str] = None  # an input the forward changed in place, described
 
     def call(self, tensors: Tuple[torch.Tensor, ...]) -> Any:
         return self.fn(*_tree.unflatten(_merge(tensors, self.arg_leaves), self.arg_spec))
@@ -72,12 +77,14 @@ class _ReentrantRegion(torch.autograd.Function):
         # The forward gets the caller's own objects, so side effects on containers passed
         # in (auxiliary-loss lists, caches) reach the caller; only recomputation rebuilds them.
         args, region.original_args = region.original_args, ()
+        versions = input_versions(list(inputs))
         # Autograd on, as in the plain run and the recomputation, so that autograd itself
         # says which outputs depend on a tensor that requires grad (inputs, parameters,
         # anything reached inside). The hooks drop every tensor the graph would save, so
         # the forward keeps no activations; the graph is cut from the outputs below.
         with torch.enable_grad(), saved_tensors_hooks(_drop, _dropped):
             output = region.fn(*args)
+        region.changed = changed_input(versions)
         leaves, region.out_spec = _tree.flatten(output)
         out_tensors, region.out_leaves = _split(leaves)
         constant = [not t.requires_grad for t in out_tensors]
@@ -95,7 +102,16 @@ class _ReentrantRegion(torch.autograd.Function):
                 "use_reentrant=False, which supports both."
             )
         region: _Region = ctx.region
-        saved = ctx.saved_tensors
+        if region.changed is not None:
+            # The recomputation would start from the changed input (and change it again,
+            # or fail on the detached copy, a leaf, in words that name neither).
+            raise input_changed_error(region.fn, region.changed)
+        try:
+            saved = ctx.saved_tensors
+        except RuntimeError as error:  # autograd's version check: changed after the forward
+            if not is_version_error(error):
+                raise
+            raise input_changed_error(region.fn, None, error) from error
         detached = tuple(t.detach().requires_grad_(t.requires_grad) for t in saved)
         with _device.replayed(region.state), torch.enable_grad(), _state.recomputing():
             output = region.call(detached)

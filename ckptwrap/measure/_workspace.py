@@ -24,7 +24,7 @@ from __future__ import annotations
 import collections
 import functools
 import threading
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -53,7 +53,10 @@ def run_held(func: Any, args: Any, kwargs: Dict[str, Any]) -> Tuple[Any, int]:
             _read.move_to_end(key)
     if known is not None:
         return func(*args, **kwargs), known
-    out, held = _profiled(func, args, kwargs)
+    if _fake_among(args):
+        out, held = func(*args, **kwargs), _read_on_real(func, args, kwargs)
+    else:
+        out, held = _profiled(func, args, kwargs)
     if out is None:  # read aside: the operator runs here now
         out = func(*args, **kwargs)
     if held is None:
@@ -82,7 +85,52 @@ def _convolution(func: Any, args: Any) -> Optional[str]:
     return name
 
 
+_REAL_READING_BYTES = 1 << 30
+"""A step on fake tensors reads a convolution on real tensors of its shapes up to this
+many bytes of arguments; past it the fitted bound stands in."""
+
+
+def _fake_among(args: Any) -> bool:
+    fake = _torch_private.fake_tensor
+    return fake is not None and any(isinstance(a, fake.tensor_class) for a in _flat_tensors(args))
+
+
+def _flat_tensors(value: Any) -> List[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _flat_tensors(v)]
+    return []
+
+
+def _read_on_real(func: Any, args: Any, kwargs: Dict[str, Any]) -> Optional[int]:
+    """What ``func`` holds, read on real tensors of its fake arguments' shapes, strides and
+    dtypes (a fake convolution allocates nothing, so a reading of it would say nothing, and
+    kept under its signature it would stand for the real one); None where they would take
+    more than :data:`_REAL_READING_BYTES`, or no reading can be taken."""
+    tensors = _flat_tensors(args)
+    if sum(t.numel() * t.element_size() for t in tensors) > _REAL_READING_BYTES:
+        return None
+    fake = _torch_private.fake_tensor
+    with fake.outside(), _torch_private.disable_current_modes(), torch.no_grad():  # type: ignore[union-attr]
+        real_args = _materialized(args)
+        out, held = _profiled(func, real_args, kwargs)
+        del out, real_args
+    return held
+
+
+def _materialized(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        real = torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=value.dtype, device="cpu")
+        return real.uniform_() if real.is_floating_point() else real.zero_()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_materialized(v) for v in value)
+    return value
+
+
 def _signature(func: Any, args: Any, kwargs: Dict[str, Any]) -> Tuple[Any, ...]:
+    # A reading is of the real operator at these shapes, whether the step's tensors are
+    # real or fake (a fake step reads on real tensors of the same shapes): one signature.
     def describe(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             return (tuple(value.shape), tuple(value.stride()), str(value.dtype), value.requires_grad)

@@ -13,8 +13,10 @@ are real inputs too: :meth:`choose` measures one step on them at once.
 
 A budget in bytes is the same at every shape. ``budget:NN%`` is NN% of the predicted
 un-checkpointed step peak at the largest shape planned so far (largest by that peak),
-turned into bytes. A shape that no plan fits gets its plan of least memory, said each
-time the shape changes (``strict`` raises instead: at wrap time with example inputs).
+turned into bytes. A shape that no plan fits gets its plan of least memory, said (a
+``UserWarning`` naming the shape, the budget and the peak) at its first step after a step
+at another shape, measured steps included (``strict`` raises instead: at wrap time with
+example inputs).
 """
 
 from __future__ import annotations
@@ -82,7 +84,10 @@ class ShapePlanner:
         self._cache = PlanCache()
         self._schedule = CheckSchedule()
         self._reset = False
-        self._unreachable: Optional[Tuple[Any, ...]] = None
+        self._previous: Optional[Tuple[int, Sizes]] = None
+        """The layout and shape of the last training forward."""
+        self._said: Optional[Tuple[int, Sizes]] = None
+        """Where a budget out of reach was last said, until a step at another shape."""
         # Steps measured whose profiles are taken in at the next plan: fitting allocates,
         # and the end of a backward is inside the caller's step, often at its peak.
         self._learned: List[Tuple[Decision, Optional[ModelProfile], Optional[str]]] = []
@@ -135,6 +140,8 @@ class ShapePlanner:
         device = step_device(model, args, kwargs) if device is None else device
         self.device.before_step(model, device, fresh)
         costs, sizes = self._layouts.of(args, kwargs)
+        if self._previous != (id(costs), sizes):
+            self._previous, self._said = (id(costs), sizes), None
         region = region_bytes(device, self.settings.preserve_rng_state)
         if costs.given_up:
             return Decision(costs, sizes, measure=False, region=region)
@@ -217,6 +224,25 @@ class ShapePlanner:
         assert costs is not None
         plain = plain_peak(profile, self.settings.names, region_bytes=decision.region)
         return self.reading.at(plain, costs), plain
+
+    def say_measured(self, decision: Decision, profile: Optional[ModelProfile], model: nn.Module) -> None:
+        """A measured step (under the plan of least memory) that peaked above the budget
+        at its shape: said at its end, as a solved step out of reach is said."""
+        costs = decision.costs
+        if costs is None or profile is None or profile.step is None or self.settings.budget is None:
+            return
+        budget, _ = self.measured_plan(decision, profile)
+        key = (id(costs), decision.sizes)
+        if budget is None or profile.step.total <= budget or self._said == key:
+            return
+        self._said = key
+        warn(
+            f"{type(model).__name__}: a training step at inputs of {decision.describe()} peaked at "
+            f"{_mib(profile.step.total)} under the plan of least memory (every candidate checkpointed, "
+            f"measured), above {self.settings.budget.describe()} ({_mib(int(budget))}) there. "
+            f"Said at the first step at a shape after a step at another.",
+            repeat=True,
+        )
 
     def timed(self, decision: Decision, seconds: float) -> None:
         """The step of ``decision`` took ``seconds``, forward to end of backward."""
@@ -372,15 +398,17 @@ class ShapePlanner:
         return choice
 
     def _say_unreachable(self, choice: Choice, costs: LayoutCosts, sizes: Sizes, model: nn.Module) -> None:
-        """A plan of least memory where no plan fits: said each time the shape changes."""
-        if choice.reachable or self._unreachable == (id(costs), sizes):
+        """A plan of least memory where no plan fits: said at the first step at a shape
+        after a step at another (or at the example inputs)."""
+        if choice.reachable or self._said == (id(costs), sizes):
             return
-        self._unreachable = (id(costs), sizes)
+        self._said = (id(costs), sizes)
         warn(
             f"{type(model).__name__}: no plan fits {self.settings.budget.describe()} "  # type: ignore[union-attr]
             f"({_mib(int(choice.budget or 0))}) at inputs of {costs.layout.describe(sizes)}; this "
             f"forward runs under the plan of least memory ({_mib(choice.predicted_peak)} "
-            f"predicted). Said each time the shape changes."
+            f"predicted). Said at the first step at a shape after a step at another.",
+            repeat=True,
         )
 
     def _solved_at(

@@ -20,7 +20,8 @@ from torch import nn
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from .._errors import CheckpointConfigError
-from .._hf import cache_free_arguments, fresh_caches
+from .._caches import given_caches
+from .._hf import fresh_caches
 from ..engine import checkpoint, graph_nodes, reaches_reentrant
 from ..measure import SavePolicy, differentiable, tensors
 from ._module_costs import ModelProfile
@@ -251,14 +252,14 @@ class _Region:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
         call = self.previous or functools.partial(type(module).forward, module)
-        rewritten = cache_free_arguments(module, args, kwargs)
-        if rewritten is not None:
-            args, kwargs = rewritten
+        caches = given_caches(args, kwargs, training=module.training)
+        if caches is not None:
+            args, kwargs = caches.arguments(args, kwargs)
 
         def run(fn: Callable[..., Any]) -> Any:
             return checkpoint(
-                fn, *args, context_fn=self.context_fn, preserve_rng_state=self.preserve_rng_state,
-                **kwargs,
+                fn if caches is None else caches.around(fn, module), *args, context_fn=self.context_fn,
+                preserve_rng_state=self.preserve_rng_state, **kwargs,
             )
 
         return self.recorder.region(module, call, args, kwargs, run)

@@ -12,6 +12,7 @@ from typing import Any, Dict, Mapping, Optional
 
 import torch
 
+from .. import _torch_private
 from .._errors import CheckpointConfigError
 from ._module_costs import ModelProfile, ModuleCost
 from ._ops import OpCost
@@ -157,7 +158,14 @@ def _names() -> str:
 @functools.lru_cache(maxsize=1)
 def cpu_rates() -> DeviceRates:
     """This CPU's rates at torch's thread count now: a matrix product per floating-point
-    dtype and a copy, each the best of a few runs (about 0.1 s, once per process)."""
+    dtype and a copy, each the best of a few runs (about 0.1 s, once per process). Read
+    outside any dispatch mode: first asked inside a step on fake tensors, it would time
+    fake kernels, and keep that for every later plan."""
+    with _torch_private.disable_current_modes():
+        return _timed_cpu_rates()
+
+
+def _timed_cpu_rates() -> DeviceRates:
     size = 384
     flops = {}
     for dtype in (torch.float32, torch.bfloat16, torch.float16):

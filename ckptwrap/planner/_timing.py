@@ -13,6 +13,8 @@ from typing import Any, Callable, ContextManager, Iterable, Iterator
 
 import torch
 
+from .. import _torch_private
+
 __all__ = ["RngState", "dispatch_cost", "selective_cost"]
 
 
@@ -69,7 +71,13 @@ def selective_cost() -> float:
 
 
 def _added_per_op(context: Callable[[], ContextManager[Any]]) -> float:
-    """Seconds the context made by ``context()`` adds to one tiny CPU operator."""
+    """Seconds the context made by ``context()`` adds to one tiny CPU operator (read
+    outside any dispatch mode in force, a fake step's included: it is kept per process)."""
+    with _torch_private.disable_current_modes():
+        return _timed_per_op(context)
+
+
+def _timed_per_op(context: Callable[[], ContextManager[Any]]) -> float:
     x = torch.zeros(1)
 
     def work() -> float:

@@ -14,7 +14,7 @@ from torch.nn.parameter import is_lazy
 
 from .._errors import CheckpointConfigError
 from .._hf import hf_layer_class
-from ._library_units import library_units, switchable
+from ._library_units import decides, library_units
 
 __all__ = ["find_blocks"]
 
@@ -51,16 +51,22 @@ def find_blocks(model: nn.Module) -> List[str]:
     repeated or not, and where they nest (Swin's stages hold its layers) the innermost
     are kept, since checkpointing only the outer ones would hold a whole stage's
     activations at once during its recomputation; unless the inner ones hold less than
-    60% of the outer one's parameters (a diffusers mid block checkpoints one of its
-    resnets inside: the outer one is kept). A repeated block that holds declared layers
-    gives way to them, and one inside a kept declared layer is part of it. transformers
-    is never imported here: the class is looked up only if the model's library has
-    loaded it. Modules of other libraries that checkpoint parts of themselves (diffusers,
-    timm: a ``gradient_checkpointing`` or ``grad_checkpointing`` flag) declare the units
-    their forwards hand to a checkpoint function, read from their source
-    (``_library_units``); a repeated group of which the library checkpoints only some
-    members gives only those, and inside a module whose library decides what it
-    checkpoints, nothing else that repeats is taken.
+    60% of the outer one's parameters: then both are blocks, nested as the library
+    nests them (Zamba2's hybrid layers and the Mamba layers inside them; a diffusers mid
+    block, checkpointed whole with one of its resnets inside), so that a plan keeps
+    the outer one and lists the inner ones as inside it, and ``nested=True`` checkpoints
+    both as the library does. A repeated block that holds declared layers gives way to
+    them, and one inside a kept declared layer is part of it. transformers is never
+    imported here: the class is looked up only if the model's library has loaded it.
+    Modules of other libraries that checkpoint parts of themselves (diffusers, timm: a
+    ``gradient_checkpointing`` or ``grad_checkpointing`` flag) declare the units their
+    forwards hand to a checkpoint function, read from their source, each call's module
+    followed back through the loop that runs over it (``_library_units``); a repeated
+    group of which the library checkpoints only some members gives only those, and
+    inside a module whose library decides what it checkpoints, nothing else that repeats
+    is taken (a flag on a module that checkpoints nothing itself decides nothing:
+    UNet3D's resnets and temporal layers around its checkpointed transformers are
+    blocks).
 
     A model whose only repetition is of modules without submodules (a plain
     ``nn.Sequential`` MLP) has no blocks in that sense; there the members of the class
@@ -104,15 +110,19 @@ def _detect_blocks(named: NamedModules) -> Tuple[str, ...]:
     # their checkpoints. A recomputed region holds all its activations at once, so the
     # outer layers alone would keep a whole stage's; the inner ones bound the peak as the
     # nested checkpoints do, with one recomputation instead of two, where they hold most
-    # of the outer one (_nesting_resolved).
-    innermost = _nesting_resolved(declared, modules)
-    # A module whose library switches its checkpointing (a flag, timm's
-    # set_grad_checkpointing) and that holds declared units decides for all it holds:
-    # what else repeats in it (timm's stems, CaiT's class-attention blocks) its library
-    # leaves unchecked, and so does blocks.
+    # of the outer one. Elsewhere both stay, nested as the library nests them
+    # (_nesting_resolved).
+    kept = _nesting_resolved(declared, modules)
+    # A module whose library decides what it checkpoints (its forward checkpoints, or
+    # a switch sets its parts' flags: timm's set_grad_checkpointing, a diffusers model
+    # that supports it) and that holds declared units decides for all it holds: what
+    # else repeats in it (timm's stems, CaiT's class-attention blocks) its library leaves
+    # unchecked, and so does blocks. A flag alone decides nothing: UNet3D's resnets and
+    # temporal layers, around the transformers that checkpoint their own blocks, are
+    # blocks by repetition.
     deciding = {
         name for name, module in named
-        if switchable(module) and any(_inside(unit, name) for unit in declared)
+        if decides(module) and any(_inside(unit, name) for unit in declared)
     }
     repeated = {
         member
@@ -124,10 +134,10 @@ def _detect_blocks(named: NamedModules) -> Tuple[str, ...]:
         if _has_submodules(modules[member])
         # The declared layers decide inside and around themselves.
         and member not in holding_declared
-        and not any(ancestor in innermost for ancestor in _ancestors(member))
+        and not any(ancestor in kept for ancestor in _ancestors(member))
         and not any(_inside(member, name) for name in deciding)
     }
-    blocks = innermost | _outermost(repeated)
+    blocks = kept | _outermost(repeated)
     if blocks:
         return tuple(sorted(blocks, key=position.__getitem__))
     return _most_frequent_class(groups, modules, position)
@@ -167,24 +177,22 @@ those to stand for it."""
 
 
 def _nesting_resolved(declared: Set[str], modules: Dict[str, nn.Module]) -> Set[str]:
-    """Where declared units nest, the inner ones, if they hold most of the outer one's
-    parameters (Swin's layers in its stages, 75% beside the downsampling; PoolFormer's
-    blocks, 74% to 100%); else the outer
-    one (a diffusers autoencoder's mid block, whose library checkpoints it whole and, inside,
-    only one of its resnets, 45%: alone, that would leave its attention and first resnet
-    unchecked)."""
+    """Where declared units nest, the inner ones alone if they hold most of the outer
+    one's parameters (Swin's layers in its stages, 75% beside the downsampling;
+    PoolFormer's blocks, 74% to 100%): the outer one is left out. Else both, as the
+    library nests them: a plan keeps the outer one and lists the inner ones as inside
+    it, and ``nested=True`` nests them (a diffusers autoencoder's mid block, whose
+    library checkpoints it whole and, inside, only one of its resnets, 45%: alone, that
+    would leave its attention and first resnet unchecked; Zamba2's hybrid layers and
+    the Mamba layers inside them)."""
     chosen = set(declared)
     for outer in sorted(declared, key=lambda name: name.count(".")):
         if outer not in chosen:
             continue
         inner = _outermost({name for name in chosen if name.startswith(outer + ".")})
-        if not inner:
-            continue
         covered = sum(_parameter_count(modules[name]) for name in inner)
-        if covered >= _COVERED * _parameter_count(modules[outer]):
+        if inner and covered >= _COVERED * _parameter_count(modules[outer]):
             chosen.discard(outer)
-        else:
-            chosen -= {name for name in chosen if name.startswith(outer + ".")}
     return chosen
 
 

@@ -6,7 +6,7 @@ import functools
 import inspect
 from typing import Any, Callable, Optional, TypeVar, overload
 
-import wrapt
+from torch import nn
 
 from ..engine import CheckpointOptions, options_from
 from ._region import run_region
@@ -28,9 +28,11 @@ def checkpointed(wrapped: Optional[F] = None, *, enabled: bool = True, **options
     Works bare (``@checkpointed``) or with engine options
     (``@checkpointed(use_reentrant=True, preserve_rng_state=False)``). The decorated
     function keeps its name, docstring and signature. Nothing is checkpointed while
-    autograd is off or inside :func:`ckptwrap.disabled`. On a module's ``forward``,
-    running statistics of BatchNorm-like submodules are updated once per step, not again
-    by the recomputation.
+    autograd is off or inside :func:`ckptwrap.disabled`. On a module's ``forward`` (a
+    function whose first parameter is ``self``, called on a module), running statistics
+    of BatchNorm-like submodules are updated once per step, not again by the
+    recomputation. The decorated function is a plain Python function, so ``torch.compile``
+    traces into it and checkpoints the region in its graph, closures and all.
 
     Args:
         wrapped: The function; given when used without parentheses.
@@ -70,20 +72,36 @@ def _decorate(wrapped: F, *, enabled: bool, options: CheckpointOptions) -> F:
         )
     if not enabled:
         return wrapped
+    method = _takes_self(wrapped)
 
-    @wrapt.decorator
-    def region(call: Any, instance: Any, args: Any, kwargs: Any) -> Any:
-        return run_region(instance, call, args, kwargs, options)
+    # A plain function, as functools.wraps makes, rather than a proxy object: the compiler
+    # traces into it and finds the region (a proxy that passes for the function it wraps
+    # is inlined as that function, unchecked, and its closure cells cannot be guarded).
+    @functools.wraps(wrapped)
+    def region(*args: Any, **kwargs: Any) -> Any:
+        if method and args and isinstance(args[0], nn.Module):
+            owner = args[0]
+            return run_region(owner, functools.partial(wrapped, owner), args[1:], kwargs, options)
+        return run_region(None, wrapped, args, kwargs, options)
 
-    decorated = region(wrapped)
-    decorated._self_ckptwrap_options = options
-    return decorated
+    region._ckptwrap_options = options  # type: ignore[attr-defined]
+    return region  # type: ignore[return-value]
+
+
+def _takes_self(function: Callable[..., Any]) -> bool:
+    """Whether ``function`` is written as a method (its first parameter is ``self``): called
+    on a module, that module owns the region (its running statistics, its KV cache)."""
+    try:
+        parameters = list(inspect.signature(function).parameters)
+    except (TypeError, ValueError):  # no signature to read (some builtins)
+        return False
+    return parameters[:1] == ["self"]
 
 
 def decorator_options(cls: type) -> Optional[CheckpointOptions]:
     """The options of a ``@checkpointed`` forward defined on ``cls`` or its bases, if any."""
     forward = inspect.getattr_static(cls, "forward", None)
     try:
-        return getattr(forward, "_self_ckptwrap_options", None)
+        return getattr(forward, "_ckptwrap_options", None)
     except Exception:  # a proxy or descriptor that refuses attribute access
         return None

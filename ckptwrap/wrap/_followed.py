@@ -56,6 +56,9 @@ class FollowedStep:
                 self.learned = self.recorder.finish()
                 self.planner.learned(self.decision, self.learned, self.recorder.failed)
                 self._record_measured()
+                model = self.model()
+                if model is not None:
+                    self.planner.say_measured(self.decision, self.learned, model)
             elif self.meter is not None:
                 peak = self.meter.stop()
                 self.planner.checked(self.decision, peak, self.meter.exact)

@@ -137,9 +137,11 @@ def recorded(model: nn.Module, applied: Plan, modules: Dict[str, nn.Module]) -> 
     dropped += [item for item in applied.dropped if item[0] not in names and item not in dropped]
     # Nothing new marked: the predictions measured for the existing plan still hold.
     base = applied if applied.selected else existing
+    # A policy stacked again (already one of those joined) is not named twice.
+    stacked = existing.policy.split(" + ")
     return dataclasses.replace(
         base,
-        policy=existing.policy if existing.policy == applied.policy else f"{existing.policy} + {applied.policy}",
+        policy=existing.policy if applied.policy in stacked else f"{existing.policy} + {applied.policy}",
         selected=selected,
         dropped=tuple(dropped),
     )

@@ -1,10 +1,11 @@
 """``max_shapes``: the largest shapes a model's inputs will take, checked against what
-its forward takes and against example inputs, before anything is planned."""
+its forward takes and against example inputs, before anything is planned; and against the
+first training forward's inputs, where the forward takes any keyword (``**kwargs``)."""
 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Dict, Mapping, Optional, Set, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -12,7 +13,7 @@ from torch import nn
 from .._errors import CheckpointConfigError
 from ..planner import read_layout
 
-__all__ = ["check_max_shapes"]
+__all__ = ["check_max_shapes", "unreceived"]
 
 
 def check_max_shapes(model: nn.Module, max_shapes: Any, example: Optional[Tuple[Tuple[Any, ...], Dict[str, Any]]] = None) -> None:
@@ -78,3 +79,55 @@ def _forward_parameters(model: nn.Module) -> Tuple[Optional[Set[str]], Optional[
             if positions is not None and parameter.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD):
                 positions += 1
     return names, positions
+
+
+def unreceived(
+    model: nn.Module, max_shapes: Mapping[Any, Any], args: Tuple[Any, ...], kwargs: Dict[str, Any]
+) -> Optional[str]:
+    """What to say where ``max_shapes`` names an input that this training forward did not
+    receive as one tensor of that shape's rank (a forward that takes ``**kwargs`` lets any
+    key through :func:`check_max_shapes`): the planner could not apply that key, ever, so
+    it would be ignored without a word. None where every key applies."""
+    layout = read_layout(args, kwargs)
+    problems: List[str] = []
+    for key, shape in max_shapes.items():
+        try:
+            layout.declared({key: shape})
+        except CheckpointConfigError as error:
+            problems.append(_why_unreceived(model, key, args, kwargs, str(error)))
+    if not problems:
+        return None
+    received = [f"{len(args)} positional input(s) (0 to {len(args) - 1})"] if args else ["no positional input"]
+    received.append(f"keywords {', '.join(map(repr, kwargs))}" if kwargs else "no keyword input")
+    return (
+        f"max_shapes does not apply to the inputs of {type(model).__name__}'s training forward, "
+        f"which received {' and '.join(received)}: {'; '.join(problems)}. Those keys are "
+        f"ignored, and the budget is read at the shapes seen; key max_shapes by the names the "
+        f"forward receives (or positions, as ints)."
+    )
+
+
+def _why_unreceived(model: nn.Module, key: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], declared: str) -> str:
+    """Why one key does not apply: not received, received by position, or not one tensor
+    of that rank (the layout's own words)."""
+    if isinstance(key, str) and key not in kwargs:
+        position = _position_of(model, key, args)
+        if position is not None:
+            return f"{key!r} was received by position, as input {position}: key it {position}"
+        return f"{key!r} was not received"
+    if isinstance(key, int) and key >= len(args):
+        return f"position {key} was not received"
+    return declared.rstrip(".")
+
+
+def _position_of(model: nn.Module, name: str, args: Tuple[Any, ...]) -> Optional[int]:
+    """The position among ``args`` that the forward's parameter ``name`` takes, if given."""
+    try:
+        parameters = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    kinds = inspect.Parameter
+    positional = [p.name for p in parameters if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)]
+    if name in positional and positional.index(name) < len(args):
+        return positional.index(name)
+    return None

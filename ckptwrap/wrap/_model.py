@@ -6,17 +6,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 from typing import Any, Callable, Dict, Iterator, Mapping, Optional, Sequence
 
+import torch
 from torch import nn
 
 from .._errors import CheckpointConfigError
-from ..planner import Plan, as_example
+from ..planner import Plan, as_example, optimizer_spec, step_device, unreal
 from ._marks import PLAN_ATTRIBUTE, apply_plan, record_plan, unmark
 from ._per_shape import PlanPerShape, StepEnd, remove_pending
 from ._max_shapes import check_max_shapes
-from ._planning import _select, measured, plan, refuse_inference, shape_planner
-from ..planner import optimizer_spec
+from ._planning import measured, plan, refuse_inference, resolve_policy, select, shape_planner
 from ._clients import cache_writes_off
 from ._transformers import TransformersSwitch, switch_of
 
@@ -75,7 +76,11 @@ def wrap_model(
         ``model`` itself.
 
     Raises:
-        CheckpointConfigError: As :func:`plan`; or ``follow_shapes`` is not a bool or None.
+        CheckpointConfigError: As :func:`plan`; or ``follow_shapes`` is not a bool or None;
+            or the model is already wrapped in a way this call cannot go over (either is a
+            ``budget:`` policy, or the tiers differ: ``blocks`` then ``blocks;offload``);
+            or ``budget:device`` where the device's memory cannot be read (the CPU). The
+            model is then left as it was.
 
     Example:
         >>> model = wrap_model(AutoModelForCausalLM.from_config(cfg), "every:2")
@@ -87,10 +92,12 @@ def wrap_model(
             f"forward's shape), got {follow_shapes!r}."
         )
     given, model = model, uncompiled(model)
-    # Everything that can be checked without costs is checked now.
-    unmeasured, budget = _select(model, policy, nested, options)
+    # Everything that can be checked without costs is checked now, before anything changes.
+    intent, rest, budget = resolve_policy(model, policy, nested, options)
+    _refuse_stacking(model, intent, budget)
+    _refuse_unreadable_device(model, budget, example_inputs, example_kwargs)
+    unmeasured = select(model, intent, rest)
     spec = optimizer_spec(model, optimizer)
-    _refuse_stacking(model, unmeasured, budget)
     with _transformers_off(model, budget is not None or bool(unmeasured.selected)):
         _wrap(
             model, policy, nested, example_inputs, example_kwargs, follow_shapes, loss_fn,
@@ -136,7 +143,7 @@ def _wrap(
         # that is left: wrapping twice stays a no-op.
         return model
     planner = shape_planner(model, policy, unmeasured, budget, loss_fn, max_shapes, optimizer=spec)
-    hook = PlanPerShape(planner, unmeasured, follow_shapes)
+    hook = PlanPerShape(planner, unmeasured, follow_shapes, max_shapes)
     if example_inputs is None and example_kwargs is None:
         remove_pending(model)
         _register(model, hook)
@@ -187,26 +194,81 @@ def _transformers_off(model: nn.Module, marks: bool) -> Iterator[None]:
         model.register_forward_pre_hook(switch, with_kwargs=True, prepend=True)
 
 
-def _refuse_stacking(model: nn.Module, unmeasured: Plan, budget: Any) -> None:
-    """A ``budget:`` policy plans from the model's un-checkpointed costs, and switches its
-    marks per shape: it cannot go on top of another wrapping, nor another under it."""
+def _refuse_stacking(model: nn.Module, intent: Plan, budget: Any) -> None:
+    """Refuse a wrapping that would be recorded over another without being applied as
+    asked: a budget plans the whole model from its un-checkpointed costs and switches its
+    marks per shape, so nothing goes on top of one, nor one on top of marks; and the
+    modules already marked keep how they are checkpointed, so stacking cannot change it
+    (``blocks`` then ``blocks;offload``)."""
     existing = model.__dict__.get(PLAN_ATTRIBUTE)
-    if not isinstance(existing, Plan) or _same_wrapping(existing, unmeasured):
+    if not isinstance(existing, Plan) or _same_wrapping(existing, intent):
         return  # wrapping twice alike: a no-op, or the same budget measured now
-    planned = any(isinstance(hook, PlanPerShape) for hook in model._forward_pre_hooks.values())
-    if budget is not None and (existing.pending or existing.selected):
-        what = f"a budget: policy ({unmeasured.policy!r}) plans from the model's un-checkpointed costs"
-    elif planned and unmeasured.selected:
+    planned = existing.pending or any(isinstance(hook, PlanPerShape) for hook in model._forward_pre_hooks.values())
+    marked = existing.pending or bool(existing.selected)
+    if planned:
         what = (
-            f"its marks change with the shape of each training forward, so {unmeasured.policy!r} "
-            f"cannot be added over them"
+            f"a budget: policy, whose marks change with the shape of each training forward, "
+            f"so {intent.policy!r} cannot be added over them"
+        )
+    elif budget is not None and marked:
+        what = (
+            f"which marks {len(existing)} module(s), and a budget: policy ({intent.policy!r}) "
+            f"plans from the model's un-checkpointed costs"
+        )
+    elif marked and _how(existing) != _how(intent):
+        raise CheckpointConfigError(
+            f"{type(model).__name__} is already wrapped with {existing.policy!r}, whose "
+            f"{len(existing)} module(s) run under the {_how(existing)} tier, and "
+            f"{intent.policy!r} asks for the {_how(intent)} tier: wrapping again adds modules "
+            f"but cannot change how those already marked are checkpointed. Call "
+            f"ckptwrap.unwrap_model(model) first, then wrap with {intent.policy!r}."
         )
     else:
         return
     raise CheckpointConfigError(
-        f"{type(model).__name__} is already wrapped with {existing.policy!r}, and {what}. Call "
+        f"{type(model).__name__} is already wrapped with {existing.policy!r}, {what}. Call "
         f"ckptwrap.unwrap_model(model) first, or write both in one policy (e.g. "
         f"'blocks;budget:50%' lets the budget choose among the blocks)."
+    )
+
+
+def _how(plan: Plan) -> str:
+    """How a plan's modules are checkpointed, in the words of its policy's tier term."""
+    if plan.tier == "selective":
+        return f"selective ({', '.join(plan.selective_ops)})" if plan.selective_ops else "selective"
+    if plan.tier == "offload":
+        return "offload"
+    return "overlap" if plan.options.recompute_ahead else "recompute"
+
+
+def _refuse_unreadable_device(
+    model: nn.Module, budget: Any, example_inputs: Any, example_kwargs: Optional[Dict[str, Any]]
+) -> None:
+    """``budget:device`` reads the free memory of the device the model trains on: refused
+    now where that is a device whose memory cannot be read (the CPU's is the host's),
+    rather than at every training forward after."""
+    if budget is None or budget.scope != "device":
+        return
+    args, kwargs = as_example(example_inputs, example_kwargs) if (
+        example_inputs is not None or example_kwargs is not None
+    ) else ((), {})
+    if unreal(model, args, kwargs) is not None:
+        return  # fake tensors: the memory is that of the device its rates name
+    if next(itertools.chain(model.parameters(), model.buffers()), None) is None and not (args or kwargs):
+        return  # nothing tells the device yet
+    device = step_device(model, args, kwargs)
+    read = getattr(getattr(torch, device.type, None), "mem_get_info", None)
+    if device.type != "cpu" and read is not None:
+        return
+    why = (
+        "the CPU's memory is the host's, shared with everything else"
+        if device.type == "cpu" else f"ckptwrap cannot read the free memory of a {device.type!r} device"
+    )
+    raise CheckpointConfigError(
+        f"{budget.describe()} reads the free memory of the device {type(model).__name__} trains "
+        f"on, and it is on {device} ({why}); nothing was wrapped. Move the model to the device "
+        f"it trains on before wrap_model (model.to('cuda')), or write the memory to use as "
+        f"budget:total=SIZE (the whole iteration) or budget:SIZE (one training step)."
     )
 
 
@@ -221,9 +283,9 @@ def _applied_already(model: nn.Module, unmeasured: Plan) -> bool:
     return isinstance(existing, Plan) and not existing.pending and _same_wrapping(existing, unmeasured)
 
 
-def _same_wrapping(existing: Plan, unmeasured: Plan) -> bool:
+def _same_wrapping(existing: Plan, intent: Plan) -> bool:
     return (existing.policy, existing.options, existing.tier, existing.nested) == (
-        unmeasured.policy, unmeasured.options, unmeasured.tier, unmeasured.nested
+        intent.policy, intent.options, intent.tier, intent.nested
     )
 
 

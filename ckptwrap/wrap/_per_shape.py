@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,7 @@ from ..planner import Decision, Plan, PlanEntry, ShapePlanner, StepRecorder, is_
 from ._clients import cache_writes_on
 from ._followed import FollowedStep
 from ._marks import PLAN_ATTRIBUTE, apply_plan, mark, named, record_plan, unmark
+from ._max_shapes import unreceived
 from ._planning import measured
 
 __all__ = ["PlanPerShape", "StepEnd", "remove_pending"]
@@ -40,8 +41,16 @@ __all__ = ["PlanPerShape", "StepEnd", "remove_pending"]
 class PlanPerShape:
     """Forward pre-hook of a model wrapped with a ``budget:`` policy (see the module)."""
 
-    def __init__(self, planner: ShapePlanner, unmeasured: Plan, follow_shapes: Optional[bool]) -> None:
+    def __init__(
+        self,
+        planner: ShapePlanner,
+        unmeasured: Plan,
+        follow_shapes: Optional[bool],
+        max_shapes: Optional[Mapping[Any, Sequence[int]]] = None,
+    ) -> None:
         self.planner = planner
+        # Checked against the first training forward's inputs, then dropped.
+        self.max_shapes = dict(max_shapes) if max_shapes else None
         self.unmeasured = unmeasured  # the selection the planner chooses among
         self.follow_shapes = follow_shapes
         self.applied: Optional[Plan] = None  # the plan whose modules this hook marked
@@ -71,6 +80,7 @@ class PlanPerShape:
             return None
         if is_measuring():
             return None  # the planner's own run of the model
+        self.check_inputs(model, args, kwargs)
         if self.follow_shapes is False and self.applied is not None and self._solved:
             return None
         try:
@@ -80,6 +90,16 @@ class PlanPerShape:
         except Exception as error:  # noqa: BLE001 - a training forward never fails for want of a plan
             self._fall_back(model, error)
         return None
+
+    def check_inputs(self, model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        """At the first training forward: say which ``max_shapes`` keys its inputs do not
+        take (a forward with ``**kwargs`` lets any name through at wrap time), which would
+        otherwise be ignored at every forward without a word."""
+        declared, self.max_shapes = self.__dict__.get("max_shapes"), None
+        if declared:
+            message = unreceived(model, declared, args, kwargs)
+            if message is not None:
+                warn(message)
 
     # ------------------------------------------------------------------ each step
 
@@ -267,6 +287,7 @@ def _targets(model: nn.Module, names: List[str]) -> List[Tuple[str, nn.Module]]:
 
 
 def _plan_eagerly(hook: PlanPerShape, model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+    hook.check_inputs(model, args, kwargs)
     hook.plan(model, args, kwargs)
 
 

@@ -12,7 +12,21 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from .._errors import CheckpointConfigError
-from ..policy import Budget, Offload, Selective, as_policy, overlaps, split_modifiers
+from ..policy import (
+    Blocks,
+    Budget,
+    Every,
+    First,
+    Fraction,
+    Intersection,
+    Last,
+    Offload,
+    Policy,
+    Selective,
+    as_policy,
+    overlaps,
+    split_modifiers,
+)
 from ..planner import (
     Choice,
     ModelProfile,
@@ -32,7 +46,9 @@ from ..engine import CheckpointOptions, options_from
 from ._selective import SelectiveContexts
 from ._wrapper import refuse_torchscript
 
-__all__ = ["measured", "plan", "plan_and_profile", "refuse_inference", "shape_planner"]
+__all__ = [
+    "measured", "plan", "plan_and_profile", "refuse_inference", "resolve_policy", "select", "shape_planner",
+]
 
 
 def plan(
@@ -278,6 +294,20 @@ def _select(
     model: nn.Module, policy: Any, nested: bool, options: Dict[str, Any]
 ) -> Tuple[Plan, Optional[Budget]]:
     """The plan before any measurement (a budget's candidates), and the budget term."""
+    intent, rest, budget = resolve_policy(model, policy, nested, options)
+    return select(model, intent, rest), budget
+
+
+def resolve_policy(
+    model: nn.Module, policy: Any, nested: bool, options: Dict[str, Any]
+) -> Tuple[Plan, Policy, Optional[Budget]]:
+    """What a policy asks for before anything is selected: a plan with nothing selected
+    that carries its policy, engine options, tier and nesting; the selecting rest of the
+    policy; and its budget term.
+
+    Raises:
+        CheckpointConfigError: The model, ``nested``, an option or the policy is not valid.
+    """
     if not isinstance(model, nn.Module):
         raise CheckpointConfigError(f"expected an nn.Module to plan for, got {type(model).__name__}.")
     if not isinstance(nested, bool):
@@ -289,6 +319,23 @@ def _select(
     tier_name, ops, resolved = _apply_tier(tier, resolved)
     if overlaps(policy_object) or resolved.recompute_ahead:
         resolved = _ahead_options(budget, tier_name, resolved)
+    intent = Plan(
+        policy=str(policy_object), options=resolved, selected=(), nested=nested, tier=tier_name,
+        selective_ops=ops,
+    )
+    return intent, rest, budget
+
+
+def select(model: nn.Module, intent: Plan, rest: Policy) -> Plan:
+    """``intent`` (see :func:`resolve_policy`) with the modules ``rest`` selects in
+    ``model``, less those already checkpointed or, unless nested, inside or around one;
+    each left out is in ``dropped``, with why.
+
+    Raises:
+        CheckpointConfigError: A term matches nothing, or a selected module is already
+            checkpointed with other options.
+    """
+    resolved, nested = intent.options, intent.nested
     names = rest.select(model)
     modules = dict(model.named_modules())
     markings = {name: marking(module) for name, module in modules.items() if name}
@@ -298,7 +345,7 @@ def _select(
     existing += [name for name in by_code if name not in existing]
 
     selected: List[PlanEntry] = []
-    dropped: List[Tuple[str, str]] = []
+    dropped: List[Tuple[str, str]] = [] if names else _picked_nothing(model, rest)
     left_to_code: List[str] = []  # selected, but the model's own code checkpoints it, in or around it
     for name in _callable_modules(names, modules, dropped):
         module = modules[name]
@@ -334,16 +381,31 @@ def _select(
                 continue
         selected.append(PlanEntry(name, type(module).__name__))
     say_left_to_code(model, left_to_code, by_code)
-    unmeasured = Plan(
-        policy=str(policy_object),
-        options=resolved,
-        selected=tuple(selected),
-        dropped=tuple(dropped),
-        nested=nested,
-        tier=tier_name,
-        selective_ops=ops,
-    )
-    return unmeasured, budget
+    return dataclasses.replace(intent, selected=tuple(selected), dropped=tuple(dropped))
+
+
+def _picked_nothing(model: nn.Module, rest: Policy) -> List[Tuple[str, str]]:
+    """Where the picking terms of ``rest`` (``every:``, ``first:``, ``last:``,
+    ``fraction:``) pick none of its candidates: each candidate, with why, so that a
+    selection that rounds to nothing says so in the plan."""
+    if isinstance(rest, Intersection) and rest.pickers:
+        sets, pickers = rest.sets, rest.pickers
+    elif isinstance(rest, (Every, First, Last, Fraction)):
+        sets, pickers = (), (rest,)
+    else:
+        return []
+    candidates = Intersection(sets=sets).select(model) if sets else Blocks().select(model)
+    count = len(candidates)
+    rounded = [p for p in pickers if isinstance(p, Fraction) and round(p.p * count) == 0]
+    if rounded:
+        p = rounded[0].p
+        why = (
+            f"{rounded[0].describe()} of {count} candidate(s) rounds to none "
+            f"(round({p!r} x {count}) = 0); raise the fraction, or use first:1 or last:1"
+        )
+    else:
+        why = f"{rest.describe()} picks none of its {count} candidate(s): its picking terms pick different ones"
+    return [(name, why) for name in candidates]
 
 
 def _apply_tier(

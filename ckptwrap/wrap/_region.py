@@ -24,7 +24,7 @@ from .. import _torch_private
 from .._compiling import outside_graph
 from .._errors import CheckpointConfigError
 from ..engine import checkpoint, is_recomputing, recompute_ahead
-from ._clients import without_cache_writes
+from ._clients import on_cache_copies
 from ._distributed import check_reentrant_region
 from ._offload import default_offloader
 from ..engine import CheckpointOptions
@@ -56,10 +56,10 @@ def run_region(
         return call(*args, **kwargs)
     if options.use_reentrant and not compiling:
         check_reentrant_region(owner)
-    if isinstance(owner, torch.nn.Module):
-        args, kwargs = without_cache_writes(owner, args, kwargs)
-        if not compiling:  # compiled code recomputes from its graph, never by calling back here
-            call = _KeepStats(owner, call)
+    if isinstance(owner, torch.nn.Module) and not compiling:
+        # compiled code recomputes from its graph, never by calling back here
+        call = _KeepStats(owner, call)
+    call, args, kwargs = on_cache_copies(owner, call, args, kwargs)
     if options.use_reentrant and kwargs:
         # The re-entrant engine takes positional arguments only; handing it the keyword
         # arguments as one dict keeps their tensors in autograd (it flattens containers).

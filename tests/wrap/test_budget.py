@@ -260,22 +260,25 @@ def test_without_example_inputs_the_first_training_step_measures_then_plans(capl
 def test_a_budget_out_of_reach_in_training_is_said_at_the_callers_line_once_per_shape():
     model = _model()
     wrap_model(model, "budget:1%")
-    step(model, gpt_loss, gpt_batch())  # measured, under the plan of least memory
-    with pytest.warns(UserWarning, match="no plan fits budget:1%.*plan of least memory") as record:
-        model(gpt_batch()[0]).sum().backward()
-    # Not a line of torch's Module.__call__, which runs the hook, nor one of ckptwrap's.
-    assert [w.filename for w in record] == [__file__]
+    # Measured, under the plan of least memory, above the budget: said at its end.
+    with pytest.warns(UserWarning, match="peaked at .* under the plan of least memory .* above budget:1%"):
+        step(model, gpt_loss, gpt_batch())
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # said once while the shape stays
+        model(gpt_batch()[0]).sum().backward()
         step(model, gpt_loss, gpt_batch())
     lowest = model.ckptwrap_plan
     assert lowest.names and lowest.predicted_peak > lowest.budget
     short = (gpt_batch()[0][:, :5], gpt_batch()[1][:, :5])
-    step(model, gpt_loss, short)  # measured
-    with pytest.warns(UserWarning, match="no plan fits budget:1%.*length 5"):
-        step(model, gpt_loss, short)  # said again: the shape changed
-    with pytest.warns(UserWarning, match="no plan fits budget:1%.*length 8"):
-        step(model, gpt_loss, gpt_batch())
+    with pytest.warns(UserWarning, match="length 5 peaked at .* above budget:1%"):
+        step(model, gpt_loss, short)  # measured: said at its end
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(model, gpt_loss, short)  # solved, the same shape: not said again
+    with pytest.warns(UserWarning, match="no plan fits budget:1%.*length 8") as record:
+        model(gpt_batch()[0]).sum().backward()  # met again after another shape: said again
+    # Not a line of torch's Module.__call__, which runs the hook, nor one of ckptwrap's.
+    assert [w.filename for w in record] == [__file__]
 
 
 def test_pending_plans_pickle_and_unwrap():

@@ -20,6 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ckptwrap
+from ckptwrap import CheckpointConfigError
 import ckptwrap.planner._calls as calls
 import ckptwrap.planner._choose as choosing
 import ckptwrap.planner._items as costs
@@ -294,7 +295,8 @@ def test_wrapping_again_and_unwrapping_with_levels(deepest):
     assert markings(model) == before, "wrapping twice is a no-op"
     again = plan(model, "budget:50%", example_inputs=(_example(),))  # no "different options"
     assert again.names == []
-    wrap_model(model, "blocks")
+    with pytest.raises(CheckpointConfigError, match="already wrapped with 'budget:50%'"):
+        wrap_model(model, "blocks")  # another policy over a budget: refused, nothing changed
     assert markings(model)["h.0"] is before["h.0"]
     unwrap_model(model)
     assert marked(model) == [] and "ckptwrap_plan" not in model.__dict__
