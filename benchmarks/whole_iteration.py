@@ -3,10 +3,10 @@ a Llama of 134M, T5-small and ViT-base, each built on the meta device and planne
 AdamW under ``none``, ``blocks`` and ``budget:total`` (halfway between them), then built
 for real, the plan applied, and trained for two iterations with AdamW on the CPU.
 
-"predicted" is the plan's ``device_peak`` (parameters, buffers, AdamW's state, the step's
-peak, or AdamW's step if higher); "measured" is what the second iteration's device holds
-at its peak: the storages of the parameters, buffers and AdamW's state before it, counted
-one by one, and the allocator's peak over it (forward, backward, ``optimizer.step()``,
+"predicted" is the plan's ``device_peak`` (parameters, buffers, AdamW's state, the batch,
+the step's peak, or AdamW's step if higher); "measured" is what the second iteration's
+device holds at its peak: the storages of the parameters, buffers, AdamW's state and the
+batch before it, counted one by one, and the allocator's peak over it (forward, backward, ``optimizer.step()``,
 ``zero_grad()``; ``torch.profiler``'s memory events). Target: within 3%, and within the
 budget ("over budget": by how much the iteration passed it, as a share of the plain step
 peak; the promise allows 3%, as for every budget).
@@ -86,10 +86,12 @@ MODELS: Dict[str, Callable[[], Tuple[Callable[[], torch.nn.Module], Callable[[],
 }
 
 
-def held(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the distinct storages of the parameters, buffers and optimizer state."""
+def held(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any = None) -> int:
+    """Bytes of the distinct storages of the parameters, buffers and optimizer state, and
+    of the batch's tensors (made before the step, held through it)."""
     found = [*model.parameters(), *model.buffers()]
     found += [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+    found += [v for v in (batch or {}).values() if torch.is_tensor(v)]
     return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in found}.values())
 
 
@@ -105,7 +107,7 @@ def iteration_peak(model: torch.nn.Module, optimizer: torch.optim.Optimizer, bat
         optimizer.zero_grad(set_to_none=True)
 
     iteration()  # the optimizer makes its state
-    before = held(model, optimizer)
+    before = held(model, optimizer, batch)
     return before + allocator_peak(iteration)
 
 

@@ -44,15 +44,32 @@ def build_from_config(
     # Given to the constructor, not set afterwards: fields derived there (head_dim from
     # hidden_size) follow.
     config = _config(transformers, spec[len(CONFIG_PREFIX):], overrides)
-    name = model_class or ((getattr(config, "architectures", None) or ["AutoModelForCausalLM"])[0])
-    cls = getattr(transformers, name, None)
-    if not isinstance(cls, type):
-        raise UsageError(f"--model-class {name}: transformers has no such class (e.g. LlamaForCausalLM)")
-    try:
-        model = cls.from_config(config) if name.startswith("Auto") else cls(config)
-    except (ValueError, TypeError, AttributeError) as error:
-        raise UsageError(f"cannot build {name} from {type(config).__name__}: {error}") from None
-    return model.to(dtype) if dtype is not None else model
+    named = model_class or ((getattr(config, "architectures", None) or [None])[0])
+    names = [named] if named else list(_AUTO_CLASSES)
+    failures = []
+    for name in names:
+        cls = getattr(transformers, name, None)
+        if not isinstance(cls, type):
+            raise UsageError(f"--model-class {name}: transformers has no such class (e.g. LlamaForCausalLM)")
+        try:
+            model = cls.from_config(config) if name.startswith("Auto") else cls(config)
+        except (ValueError, TypeError, AttributeError) as error:
+            failures.append(f"{name}: {str(error).splitlines()[0][:200]}")
+            continue
+        return model.to(dtype) if dtype is not None else model
+    tried = "; ".join(failures)
+    raise UsageError(
+        f"cannot build a model from {type(config).__name__} ({tried}); name one with --model-class "
+        f"(e.g. {type(config).__name__.replace('Config', '')}ForConditionalGeneration)"
+    )
+
+
+_AUTO_CLASSES = (
+    "AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForSpeechSeq2Seq", "AutoModelForMaskedLM",
+    "AutoModelForImageClassification", "AutoModel",
+)
+"""Tried in order where the configuration names no architecture and no --model-class is
+given: the first that takes the configuration builds the model."""
 
 
 def _config(transformers: Any, target: str, overrides: Dict[str, Any]) -> Any:
@@ -83,13 +100,39 @@ def _config(transformers: Any, target: str, overrides: Dict[str, Any]) -> Any:
 
 
 def _known(cls: Any, data: Dict[str, Any], overrides: Dict[str, Any]) -> None:
-    """Refuse a key the configuration does not have (a typo would be kept silently)."""
-    fields = set(cls().to_dict()) | set(data)
+    """Refuse a key the configuration's constructor does not take (a typo would be kept
+    silently, as an attribute): its fields, the parameters of its and its bases'
+    constructors, its properties (``num_labels``), its attribute aliases (``hidden_size``
+    on T5) and the generation settings every configuration takes
+    (``decoder_start_token_id``)."""
+    fields = _taken(cls) | set(data)
     for key in overrides:
         if key not in fields:
             near = difflib.get_close_matches(key, sorted(fields), n=3)
             hint = f"; did you mean {', '.join(near)}?" if near else ""
             raise UsageError(f"--set {key}: {cls.__name__} has no such field{hint}")
+
+
+def _taken(cls: Any) -> set:
+    import inspect
+
+    taken = set(cls().to_dict()) | set(getattr(cls, "attribute_map", {}) or {})
+    for base in cls.__mro__:
+        init = vars(base).get("__init__")
+        if init is not None:
+            try:
+                taken |= {n for n, p in inspect.signature(init).parameters.items() if p.kind is not p.VAR_KEYWORD}
+            except (TypeError, ValueError):
+                pass
+        taken |= {name for name, value in vars(base).items() if isinstance(value, property)}
+    try:
+        from transformers import GenerationConfig
+
+        taken |= set(GenerationConfig().to_dict())
+    except Exception:  # noqa: BLE001 - without it, the other sources stand
+        pass
+    taken.discard("self")
+    return taken
 
 
 def _value(text: str) -> Any:

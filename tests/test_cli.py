@@ -550,6 +550,65 @@ def test_bad_configuration_flags_exit_2_naming_what_was_given(capsys, argv, mess
     assert code == 2 and message in err, err
 
 
+_T5 = ["hf:T5Config", "--set", "num_layers=2", "--set", "d_model=64", "--set", "d_ff=128", "--set", "num_heads=2",
+       "--set", "d_kv=32", "--set", "vocab_size=128"]
+_VIT = ["hf:ViTConfig", "--set", "num_hidden_layers=2", "--set", "hidden_size=32", "--set", "intermediate_size=64",
+        "--set", "num_attention_heads=2", "--set", "image_size=32", "--set", "patch_size=8"]
+
+
+@pytest.mark.parametrize(
+    "argv, python",
+    [
+        ([*_T5, "--set", "decoder_start_token_id=0", "--input", "input_ids=2,16", "--labels"],
+         lambda t: (t.T5ForConditionalGeneration(t.T5Config(
+             num_layers=2, d_model=64, d_ff=128, num_heads=2, d_kv=32, vocab_size=128, decoder_start_token_id=0)),
+             {"input_ids": (2, 16), "labels": (2, 16)})),
+        ([*_VIT, "--set", "num_labels=10", "--input", "pixel_values=2,3,32,32"],
+         lambda t: (t.ViTForImageClassification(t.ViTConfig(
+             num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2, image_size=32,
+             patch_size=8, num_labels=10)), {"pixel_values": (2, 3, 32, 32)})),
+    ],
+    ids=["t5-decoder_start_token_id", "vit-num_labels"],
+)
+def test_set_takes_what_the_configurations_constructor_takes(capsys, argv, python):
+    """Keys the constructor takes that a default configuration does not list
+    (``decoder_start_token_id``, ``num_labels``) are given to it; with no architecture
+    named, the first model class that takes the configuration is built."""
+    transformers = pytest.importorskip("transformers")
+    code, out, err = _run(capsys, *argv, "--device", "meta", "--json")
+    assert code == 0, err
+    planned = json.loads(out)
+    with torch.device("meta"):
+        model, shapes = python(transformers)
+    generator = torch.Generator().manual_seed(0)
+    batch = {name: (torch.randint(128, shape, generator=generator) if name != "pixel_values"
+                    else torch.randn(shape, generator=generator)) for name, shape in shapes.items()}
+    if "labels" in batch:
+        batch["labels"] = batch["input_ids"].clone()
+    expected = ckptwrap.plan(model, "blocks", example_kwargs={k: v.to("meta") for k, v in batch.items()})
+    assert [entry["name"] for entry in planned["selected"]] == expected.names
+
+
+def test_a_step_that_fails_in_the_models_own_code_says_so_not_fake_kernels(capsys):
+    """T5 without ``decoder_start_token_id`` fails in its own code (shifting the labels):
+    the message names where, not the fake tensors' kernels."""
+    pytest.importorskip("transformers")
+    code, _, err = _run(capsys, *_T5, "--input", "input_ids=2,16", "--labels", "--device", "meta")
+    assert code == 2, err
+    assert "decoder_start_token_id" in err and "in the model's own code" in err, err
+    assert "fake kernel" not in err, err
+
+
+def test_the_json_answer_always_says_whether_it_fits(capsys):
+    pytest.importorskip("transformers")
+    code, out, err = _run(capsys, *_LLAMA, "--input", "input_ids=2,64", "--labels", "--device-memory", "80GiB",
+                          "--optimizer", "adamw", "--device", "meta", "--json")
+    assert code == 0, err
+    assert json.loads(out)["fits"] is True
+    code, out, err = _run(capsys, *_LLAMA, "--input", "input_ids=2,64", "--labels", "--device", "meta", "--json")
+    assert code == 0 and json.loads(out)["fits"] is None  # no device's memory to fit in
+
+
 def test_the_doctor_says_configurations_are_the_plan_commands(capsys):
     assert cli.main(["doctor", "hf:LlamaConfig", "--input-shape", "2,8"]) == 2
     assert "built by the plan command only" in capsys.readouterr().err

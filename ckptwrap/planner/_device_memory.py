@@ -14,7 +14,7 @@ from torch import nn
 
 from .._errors import CheckpointConfigError
 from .._warn import warn
-from ..measure import tensor_storages
+from ..measure import tensor_storages, tensors
 from ._cost_model import format_bytes
 from ._optimizer import OptimizerSpec, optimizer_costs
 from ._rates import device_rates
@@ -50,6 +50,8 @@ class DeviceMemory:
             temporaries), at its peak.
         optimizer: The optimizer's class name; None where none was given (nothing counted).
         source: Where ``total`` came from, for the plan's table.
+        inputs: Bytes of the planned step's inputs on the device (the batch, made before
+            the step and held through it).
     """
 
     total: Optional[int]
@@ -60,6 +62,7 @@ class DeviceMemory:
     optimizer_step: int
     optimizer: Optional[str]
     source: str
+    inputs: int = 0
 
     @property
     def held(self) -> int:
@@ -68,17 +71,18 @@ class DeviceMemory:
 
     @property
     def optimizer_peak(self) -> int:
-        """The device's peak in the optimizer's step: what is held, the gradients and the
-        step's temporaries."""
-        return self.held + self.gradients + self.optimizer_step
+        """The device's peak in the optimizer's step: what is held, the batch (a loop keeps
+        it to the end of the iteration), the gradients and the step's temporaries."""
+        return self.held + self.inputs + self.gradients + self.optimizer_step
 
     def whole_peak(self, step_peak: int) -> int:
-        """The device's peak over a training iteration whose step peaks at ``step_peak``."""
-        return max(self.held + step_peak, self.optimizer_peak)
+        """The device's peak over a training iteration whose step peaks at ``step_peak``
+        (above what is held and its inputs)."""
+        return max(self.held + self.inputs + step_peak, self.optimizer_peak)
 
     def step_budget(self, held_gradients: int = 0) -> "StepBudget":
-        """What a training step may allocate, starting with ``held_gradients`` bytes of
-        gradients already held (accumulation)."""
+        """What a training step may allocate beside its inputs, starting with
+        ``held_gradients`` bytes of gradients already held (accumulation)."""
         assert self.total is not None
         return StepBudget(self, held_gradients)
 
@@ -94,9 +98,15 @@ class StepBudget(int):
     held_gradients: int
 
     def __new__(cls, memory: DeviceMemory, held_gradients: int = 0) -> "StepBudget":
-        self = super().__new__(cls, max(0, int(memory.total or 0) - memory.held - held_gradients))
+        self = super().__new__(cls, max(0, int(memory.total or 0) - memory.held - memory.inputs - held_gradients))
         self.memory, self.held_gradients = memory, int(held_gradients)
         return self
+
+    def total_for(self, step_peak: int) -> int:
+        """The least device memory under which a step peaking at ``step_peak`` fits, with
+        what this budget took off (held, inputs, gradients held) and the optimizer's step."""
+        memory = self.memory
+        return max(memory.held + memory.inputs + self.held_gradients + step_peak, memory.optimizer_peak)
 
     def describe_parts(self) -> str:
         """The budget as a sum, for messages."""
@@ -105,9 +115,13 @@ class StepBudget(int):
         parts.append(
             f"{m.optimizer} state {_gib(m.optimizer_state)}" if m.optimizer else "no optimizer state (none given)"
         )
+        if m.inputs:
+            parts.append(f"the step's inputs {_gib(m.inputs)}")
         if self.held_gradients:
             parts.append(f"gradients held from earlier steps {_gib(self.held_gradients)}")
-        return f"{m.source} less {', '.join(parts)} leaves {_gib(int(self))} for the step"
+        # In bytes too: it is compared with a peak in messages, where rounded units alone
+        # could show two that differ as equal.
+        return f"{m.source} less {', '.join(parts)} leaves {_gib(int(self))} ({int(self)} bytes) for the step"
 
     def __reduce__(self) -> Tuple[object, ...]:
         return (StepBudget, (self.memory, self.held_gradients))
@@ -164,21 +178,34 @@ class DeviceTerms:
         # What of the settings it reads (not the settings: their loss function may not pickle).
         self.budget, self.optimizer = settings.budget, settings.optimizer
         self.rates, self.fake = settings.rates, settings.fake
-        self.memory: Optional[DeviceMemory] = None
+        self._memory: Optional[DeviceMemory] = None
         self.held_gradients = 0
+        self.inputs = 0
+        """Bytes of the inputs of the step being planned, on its device."""
         self._said = False
+
+    @property
+    def memory(self) -> Optional[DeviceMemory]:
+        """The device's memory as read at the first plan, with the inputs of the step
+        being planned."""
+        if self._memory is None or self._memory.inputs == self.inputs:
+            return self._memory
+        return dataclasses.replace(self._memory, inputs=self.inputs)
 
     @property
     def in_terms(self) -> bool:
         """Whether the budget is a device's memory."""
         return self.budget is not None and self.budget.scope != "step"
 
-    def before_step(self, model: nn.Module, device: torch.device, fresh: Callable[[], bool]) -> None:
-        """Before a training forward: the memory read once, and the gradients the step
-        starts with (accumulation) read each time."""
+    def before_step(
+        self, model: nn.Module, device: torch.device, fresh: Callable[[], bool], args: Any = (), kwargs: Any = None
+    ) -> None:
+        """Before a training forward on these inputs: the memory read once; the gradients
+        the step starts with (accumulation) and its inputs read each time."""
         if self.in_terms:
             self._read(model, device, fake_step=False)
             self.held_gradients = 0 if fresh() else _gradient_bytes(model)
+            self.inputs = input_bytes(args, kwargs or {}, device)
 
     def before_example(self, model: nn.Module, device: torch.device, args: Any, kwargs: Any) -> None:
         """Before planning given inputs (from fresh gradients)."""
@@ -186,6 +213,7 @@ class DeviceTerms:
             fake_step = self.fake or unreal(model, args, kwargs) is not None
             self._read(model, device, fake_step=fake_step)
             self.held_gradients = 0
+            self.inputs = input_bytes(args, kwargs, device)
 
     def step_budget(self) -> "StepBudget":
         assert self.memory is not None, "read at the first plan"
@@ -208,11 +236,18 @@ class DeviceTerms:
             warn(message)
 
     def _read(self, model: nn.Module, device: torch.device, *, fake_step: bool) -> None:
-        if self.memory is None:
+        if self._memory is None:
             with outside_fake():
-                self.memory = read_memory(
+                self._memory = read_memory(
                     model, device, self.budget, self.optimizer, rates=self.rates, fake_step=fake_step
                 )
+
+
+def input_bytes(args: Any, kwargs: Any, device: torch.device) -> int:
+    """Bytes of the distinct storages of the tensors among a forward's inputs that lie on
+    ``device`` (of its type: a meta model's inputs count as the device they stand for)."""
+    found = [t for t in tensors((args, kwargs)) if t.device.type in (device.type, "meta")]
+    return _bytes(found)
 
 
 def _gradient_bytes(model: nn.Module) -> int:
@@ -249,7 +284,7 @@ def optimizer_beyond(memory: DeviceMemory, budget: Any, model: nn.Module) -> Opt
     return (
         f"{budget.describe()}: {type(model).__name__}'s optimizer step alone needs "
         f"{_gib(memory.optimizer_peak)} (parameters, buffers, {memory.optimizer or 'no'} "
-        f"optimizer state, gradients {_gib(memory.gradients)} and the step's temporaries "
+        f"optimizer state, the batch, gradients {_gib(memory.gradients)} and the step's temporaries "
         f"{_gib(memory.optimizer_step)}), more than {memory.source} ({_gib(memory.total)}), "
         f"whatever is checkpointed. Shard the model or its optimizer state (FSDP2), train "
         f"fewer parameters, or use a larger device."
@@ -288,8 +323,8 @@ def _free_memory(model: nn.Module, device: torch.device) -> Tuple[int, str]:
     if device.type == "cpu" or read is None:
         raise CheckpointConfigError(
             f"budget:device reads the free memory of the device the model trains on, and "
-            f"ckptwrap cannot read {device.type!r}'s (the CPU's memory is the host's, shared "
-            f"with everything else). Write the memory to use as budget:total=SIZE (the whole "
+            f"ckptwrap cannot read the free memory of a {device.type} device (the CPU's memory "
+            f"is the host's, shared with everything else). Write the memory to use as budget:total=SIZE (the whole "
             f"iteration) or budget:SIZE (one training step)."
         )
     free, whole = read(device)

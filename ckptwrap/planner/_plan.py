@@ -116,6 +116,15 @@ class Plan:
         return self.device_memory.whole_peak(self.predicted_peak)
 
     @property
+    def fits(self) -> Optional[bool]:
+        """Whether the iteration fits the device's memory (``device_peak`` within it); None
+        where no device's memory is known (a budget of the step, or none)."""
+        peak = self.device_peak
+        if peak is None or self.device_memory is None or self.device_memory.total is None:
+            return None
+        return peak <= self.device_memory.total
+
+    @property
     def from_bound(self) -> bool:
         """Whether the plan was solved from a bound (``costs_from``): its predictions are
         at or above the step's own."""
@@ -171,6 +180,7 @@ class Plan:
             "step_time": self.step_time,
             "device_memory": None if self.device_memory is None else self.device_memory.to_dict(),
             "device_peak": self.device_peak,
+            "fits": self.fits,
         }
 
     def __str__(self) -> str:
@@ -247,8 +257,9 @@ def _device_lines(memory: "DeviceMemory", step_peak: int) -> List[str]:
         ("parameters", shown(memory.parameters)),
         ("buffers", shown(memory.buffers)),
         (f"optimizer state ({optimizer})", shown(memory.optimizer_state)),
+        ("the step's inputs (the batch)", shown(memory.inputs)),
         ("training step peak (this plan)", shown(step_peak)),
-        ("= held at the step's peak", shown(memory.held + step_peak)),
+        ("= held at the step's peak", shown(memory.held + memory.inputs + step_peak)),
         ("gradients, in the optimizer step", shown(memory.gradients)),
         ("optimizer step temporaries", shown(memory.optimizer_step)),
         ("= held at the optimizer step's peak", shown(memory.optimizer_peak)),

@@ -138,7 +138,7 @@ class ShapePlanner:
         self._schedule.step()
         self._take_in()
         device = step_device(model, args, kwargs) if device is None else device
-        self.device.before_step(model, device, fresh)
+        self.device.before_step(model, device, fresh, args, kwargs)
         costs, sizes = self._layouts.of(args, kwargs)
         if self._previous != (id(costs), sizes):
             self._previous, self._said = (id(costs), sizes), None

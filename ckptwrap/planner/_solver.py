@@ -325,8 +325,7 @@ def _least_budget(budget: object, lowest: int) -> int:
     """The least budget that reaches a step peak of ``lowest``: a device's whole memory
     for a budget in its terms, else the step's bytes."""
     if isinstance(budget, StepBudget):
-        memory = budget.memory
-        return max(memory.held + budget.held_gradients + lowest, memory.optimizer_peak)
+        return budget.total_for(lowest)
     return lowest
 
 

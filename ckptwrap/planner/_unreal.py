@@ -8,6 +8,8 @@ refused, named. Times are priced (``_rates``).
 from __future__ import annotations
 
 import contextlib
+import os
+import traceback
 import itertools
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -101,12 +103,33 @@ def measure_unreal(
         except Exception as error:  # noqa: BLE001 - said with what ran it, then raised on
             raise CheckpointConfigError(
                 f"{type(model).__name__}'s training step failed on fake tensors ({why}): "
-                f"{type(error).__name__}: {error}. Where the same step runs on real tensors, an "
-                f"operator's fake kernel differs from this device's (one that accepts other "
-                f"dtypes here) and it cannot be planned so; measure on the device it trains on."
+                f"{type(error).__name__}: {error}. {_where_it_failed(error)}"
             ) from error
     step_time = rates_at.seconds(counted.flops, counted.created_bytes, dtype)
     return priced(profile, rates_at, dtype, step_time=step_time)
+
+
+def _where_it_failed(error: BaseException) -> str:
+    """What to make of a step that failed on fake tensors, from where it was raised: in
+    torch (an operator's fake kernel, which may differ from this device's) or in the
+    model's own code (which fails alike on real tensors: its inputs or configuration)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    torch_dir = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+    ours = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    inner = next(
+        (frame for frame in reversed(frames) if not os.path.abspath(frame.filename).startswith(ours)), None
+    )
+    if inner is None or os.path.abspath(inner.filename).startswith(torch_dir):
+        return (
+            "Where the same step runs on real tensors, an operator's fake kernel differs from this "
+            "device's (one that accepts other dtypes here) and it cannot be planned so; measure on "
+            "the device it trains on."
+        )
+    return (
+        f"It was raised in the model's own code ({inner.filename}, line {inner.lineno}, in "
+        f"{inner.name}), not by an operator: the same forward fails on real tensors. Check the "
+        f"inputs and the configuration it reads there."
+    )
 
 
 @contextlib.contextmanager

@@ -273,6 +273,14 @@ def refuse_inference(
     """Costs are measured on a training forward; under inference mode (or on its tensors)
     autograd saves nothing, and every module would look free to keep."""
     what = budget.describe() if budget is not None else f"measuring the plan of {unmeasured.policy!r}"
+    if not torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
+        raise CheckpointConfigError(
+            f"{what} plans a training step (forward and backward), but autograd is off here "
+            f"(torch.no_grad()): no step it would run checkpoints anything, and a training peak "
+            f"would answer another question. Call plan()/wrap_model() with example inputs "
+            f"outside torch.no_grad(); for the peak of an inference forward, read it with "
+            f"ckptwrap.measure.measure_peak around that forward."
+        )
     if torch.is_inference_mode_enabled():
         raise CheckpointConfigError(
             f"{what} measures one training forward, but torch.inference_mode() is on, so "

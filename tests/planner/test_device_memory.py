@@ -224,7 +224,7 @@ def test_an_optimizer_step_past_the_device_is_an_error_with_example_inputs_and_s
     # Room for the parameters, AdamW's state and the step (its activations are small
     # beside its gradients), but not for the gradients and AdamW's temporaries together.
     parts = ckptwrap.plan(model, "blocks", example_inputs=x, optimizer="adamw")
-    total = parts.device_memory.held + parts.plain_peak
+    total = parts.device_memory.held + parts.device_memory.inputs + parts.plain_peak
     assert parts.device_memory.optimizer_peak > total
     with pytest.raises(CheckpointConfigError, match="optimizer step alone needs") as caught:
         ckptwrap.plan(model, f"budget:total={total}B", example_inputs=x, optimizer="adamw")
@@ -264,7 +264,7 @@ def test_a_lazy_total_holds_through_accumulation_and_eval():
                 out = model(**batch)
                 out.loss.backward()
                 del out
-        held = _held(model, optimizer)
+        held = _held(model, optimizer, batch)
         peaks.append(held + allocator_peak(micro))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -284,7 +284,7 @@ def test_a_lazy_total_holds_through_accumulation_and_eval():
 
 def test_budget_device_on_the_cpu_is_refused_naming_what_to_write():
     model = nn.Sequential(nn.Linear(8, 8))
-    with pytest.raises(CheckpointConfigError, match=r"cannot read 'cpu''s .*budget:total=SIZE"):
+    with pytest.raises(CheckpointConfigError, match=r"cannot read the free memory of a cpu device .*budget:total=SIZE"):
         ckptwrap.plan(model, "all;budget:device", example_inputs=torch.randn(2, 8), optimizer="sgd")
 
 

@@ -318,6 +318,22 @@ def test_a_scripted_submodule_is_refused_by_its_name_and_nothing_is_applied():
     assert markings(model) == before
 
 
+@pytest.mark.parametrize("policy", ["blocks", "budget:80%"])
+def test_plans_with_example_inputs_refuse_no_grad_naming_it(policy):
+    """Under torch.no_grad() a plan made from example inputs would give a training step's
+    peak (the measured step turns autograd on) for a forward that trains nothing: refused,
+    naming no_grad and what reads an inference forward's peak; nothing is applied."""
+    model = make(TinyGPT).train()
+    batch = gpt_batch()
+    with torch.no_grad():
+        with pytest.raises(CheckpointConfigError, match=r"autograd is off here \(torch\.no_grad\(\)\).*measure_peak"):
+            plan(model, policy, example_inputs=batch[:1])
+        with pytest.raises(CheckpointConfigError, match=r"torch\.no_grad\(\)"):
+            wrap_model(model, policy, example_inputs=batch[:1])
+        assert plan(model, "blocks").names  # without example inputs nothing is measured: a selection
+    assert marked(model) == [] and "ckptwrap_plan" not in model.__dict__
+
+
 def test_budget_plans_refuse_inference_mode():
     model = make(TinyGPT).train()
     batch = gpt_batch()
