@@ -228,6 +228,43 @@ def contrastive_batch(rows: int, length: int, seed: int, padded: bool) -> Dict[s
     return dict(input_ids=ids, attention_mask=mask, pixel_values=images, return_loss=True)
 
 
+VISION_SIDES = (4, 16)
+"""Image sides in patches for dynamic resolution (patches of 4 pixels: 16 to 64 pixels)."""
+_IMAGE_TOKEN, _VIDEO_TOKEN, _VISION_START, _VISION_END = VOCAB - 4, VOCAB - 3, VOCAB - 2, VOCAB - 1
+_PATCH, _TEMPORAL, _MERGE = 4, 2, 2
+
+
+def dynamic_resolution_batch(rows: int, length: int, seed: int, padded: bool) -> Dict[str, Any]:
+    """One image per row at a resolution of its own, as Qwen2-VL's processor feeds them:
+    each image ``length`` patches high (even) and up to as wide, its patches flattened
+    into one axis of ``pixel_values`` (so their number changes with every batch), its
+    grid in ``image_grid_thw``, and one token per 2 x 2 merged patches in the row before
+    a caption of 12 tokens (4 to 12 where ``padded``). Captions are the labels."""
+    g = _generator(rows, length, seed)
+    high = max(2, length - length % 2)
+    rows_ids, grids, patches = [], [], []
+    for _ in range(rows):
+        wide = 2 * int(torch.randint(1, high // 2 + 1, (1,), generator=g))
+        caption = int(torch.randint(4, 13, (1,), generator=g)) if padded else 12
+        image = high * wide // (_MERGE * _MERGE)
+        text = torch.randint(MASK + 1, _IMAGE_TOKEN, (caption,), generator=g)
+        rows_ids.append(torch.cat([
+            torch.tensor([_VISION_START]), torch.full((image,), _IMAGE_TOKEN), torch.tensor([_VISION_END]), text,
+        ]))
+        grids.append([1, high, wide])
+        patches.append(torch.randn(high * wide, 3 * _TEMPORAL * _PATCH * _PATCH, generator=g))
+    longest = max(len(row) for row in rows_ids)
+    ids = torch.full((rows, longest), PAD, dtype=torch.long)
+    mask = torch.zeros(rows, longest, dtype=torch.long)
+    for index, row in enumerate(rows_ids):
+        ids[index, :len(row)], mask[index, :len(row)] = row, 1
+    labels = ids.masked_fill((mask == 0) | (ids >= _IMAGE_TOKEN), -100)
+    return dict(
+        input_ids=ids, attention_mask=mask, labels=labels, pixel_values=torch.cat(patches),
+        image_grid_thw=torch.tensor(grids), mm_token_type_ids=(ids == _IMAGE_TOKEN).int(),
+    )
+
+
 _SPECIAL = dict(vocab_size=VOCAB, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS)
 _SEQ2SEQ = dict(_SPECIAL, decoder_start_token_id=BOS)
 # The Llama family's shared config names; head_dim is explicit as Gemma's defaults to 256.
@@ -500,6 +537,21 @@ _CATALOGUE: List[Architecture] = [
     _causal(
         "lfm2", "Lfm2ForCausalLM", "hybrid", layer_types=["conv", "full_attention"] * 2, conv_L_cache=3,
         block_auto_adjust_ff_dim=False, **_HYBRID,
+    ),
+    # Vision-language at dynamic resolution: every batch's images give pixel_values another
+    # number of patches. Multimodal rotary sections (temporal, height, width) of a head of 8.
+    _arch(
+        "qwen2_vl", "multimodal", "Qwen2VLForConditionalGeneration", dynamic_resolution_batch, VISION_SIDES,
+        text_config=dict(
+            _DECODER, max_position_embeddings=512,
+            rope_parameters=dict(rope_type="default", mrope_section=[1, 1, 2], rope_theta=10000.0),
+        ),
+        vision_config=dict(
+            depth=2, embed_dim=32, hidden_size=32, num_heads=2, patch_size=_PATCH,
+            temporal_patch_size=_TEMPORAL, spatial_merge_size=_MERGE,
+        ),
+        image_token_id=_IMAGE_TOKEN, video_token_id=_VIDEO_TOKEN, vision_start_token_id=_VISION_START,
+        vision_end_token_id=_VISION_END,
     ),
 ]
 

@@ -4,12 +4,13 @@ so that the profile at another shape is a few dot products rather than a new mea
 
 Bytes that storages hold are sums of tensor sizes, so each is a polynomial in the batch
 ``b`` and the lengths: the fit draws on the monomials of degree at most 1 in ``b`` and
-at most 2 in the lengths together (``1, b, s, b*s, s^2, b*s^2`` for one length), taking
-those the measured shapes can tell apart (a batch that never changed is no variable; two
-lengths fit a line, three a parabola). Each term is then raised by its largest miss on
-the measured shapes, so that the fit lies on or above every one of them (a term that
-depends on content as well, such as attention with or without a padding mask, is
-followed at its highest). A peak is not such a sum but the largest of its moments, and
+at most 2 in the lengths together, those a tensor's size can be first (``1, b, b*s,
+b*s^2``, then ``s, s^2``, for a length the inputs carry beside the batch; ``_poly``),
+taking those the measured shapes can tell apart (a batch that never changed is no
+variable; two lengths fit a line, three a parabola). Each term is then raised by its
+largest miss on the measured shapes, so that the fit lies on or above every one of them
+(a term that depends on content as well, such as attention with or without a padding
+mask, is followed at its highest). A peak is not such a sum but the largest of its moments, and
 which moment is largest changes with the shape (the feed-forward's hidden states at
 short lengths, attention scores at long ones), so each moment is fitted, and a peak is
 the largest fitted moment. What the allocator held beyond the meter's moments
@@ -19,7 +20,11 @@ Seconds are modelled per candidate as ``overhead + rate * work``, ``work`` being
 counted FLOPs plus its created bytes (both polynomials), fitted to the measured steps.
 
 Whether a fit may stand for shapes not measured is decided by the planner, which trusts
-it once it has predicted a measured step it was not fitted on (``_learning``).
+it once it has predicted a measured step it was not fitted on (``_measuring``), and then
+keeps to its monomials while they predict the steps measured after. Where such a fit has
+more samples than monomials, :meth:`CostFit.leeway` says how far each monomial it leaves
+out, fitted beside them, would move its peaks at another shape: it stands where none
+would move them much, and where the samples determine the costs at all.
 """
 
 from __future__ import annotations
@@ -31,12 +36,14 @@ import torch
 
 from ._module_costs import ModelProfile, ModuleCost
 from ._ops import OpCost
-from ._poly import basis, fit_columns, monomials, powers_of
+from ._poly import Poly, basis, fit_columns, least_squares, monomials, powers_of, rank_of
 from ._step import END, StepPeaks
 
-__all__ = ["CostFit", "ShapesDiffer"]
+__all__ = ["CostFit", "Form", "ShapesDiffer"]
 
 Sizes = Tuple[int, ...]
+Form = Tuple[Tuple[int, ...], ...]
+"""A fit's monomials, by their exponents."""
 
 _BYTES_PER_FLOP = 8
 """How many FLOPs one byte created weighs in ``work``: memory traffic against arithmetic."""
@@ -81,20 +88,28 @@ class CostFit:
         samples: ``(sizes, profile)`` pairs, each profile with its step; one is enough
             (it then stands for its own sizes alone). The last one's operators are the
             template where candidates' operators line up across them.
+        batched: Per variable, whether the inputs carry it beside the batch
+            (``InputLayout.batched``): what decides which monomials a fit takes up first.
+        form: The monomials to fit (a fit's :attr:`powers`: a form that predicted a step
+            it was not fitted on is kept while it does); by default, as many as the
+            samples tell apart (``_poly.basis``).
 
     Raises:
         ShapesDiffer: If the profiles do not line up: other candidates called, or called
             otherwise.
     """
 
-    def __init__(self, names: Sequence[str], samples: Sequence[Tuple[Sizes, ModelProfile]]) -> None:
+    def __init__(
+        self, names: Sequence[str], samples: Sequence[Tuple[Sizes, ModelProfile]], *, batched: Sequence[bool] = (),
+        form: Optional["Form"] = None,
+    ) -> None:
         if not samples:
             raise ShapesDiffer("no profile to fit")
         self.names = tuple(names)
         points = [tuple(int(size) for size in sizes) for sizes, _ in samples]
         profiles = [profile for _, profile in samples]
         self.points = points
-        self.powers = basis(self.names, points)
+        self.powers: Form = form if form is not None else basis(self.names, points, batched)
         _check_alike(profiles)
         lined_up = _ops_lined_up(profiles)
         self.template = _without_ops(profiles[-1], lined_up)
@@ -124,6 +139,7 @@ class CostFit:
             columns.extend([float(trace[k]) for trace in traces] for k in range(len(traces[0])))
         self._moments = fit_columns(self.powers, points, columns)[0] if columns else None
         self._timings = self._time(samples)
+        self._left_out(batched, values)
         # Where each term sits among the fitted values, worked out once: a profile is
         # evaluated at most new shapes a loop meets, and has hundreds of terms.
         at = {key: position for position, key in enumerate(self.keys)}
@@ -134,18 +150,32 @@ class CostFit:
 
     # ------------------------------------------------------------------ evaluation
 
-    def identifies(self, sizes: Sizes) -> bool:
-        """Whether the measured shapes determine the costs at ``sizes`` whatever the terms
-        they could not tell apart: the monomials of ``sizes`` (all the fit may draw on) are
-        a combination of the measured shapes' monomials. A batch measured at one size, or
-        varied at one length only, determines nothing at another batch or length."""
-        powers = powers_of(self.names)
-        design = monomials(powers, self.points)
-        scale = design.abs().amax(dim=0).clamp_min(1.0)
-        query = monomials(powers, [tuple(int(size) for size in sizes)]) / scale
-        combination = torch.linalg.lstsq((design / scale).T, query.T, driver="gelsd").solution
-        miss = ((design / scale).T @ combination - query.T).norm()
-        return bool(miss <= _SPAN_TOLERANCE * max(1.0, float(query.norm())))
+    def leeway(self, sizes: Sizes) -> Optional[Tuple[float, float]]:
+        """How far the monomials this fit leaves out could move its prediction at
+        ``sizes``: the most that any one of them, fitted beside the fit's own, raises and
+        lowers a phase's peak there, as shares of the highest. None where the measured
+        shapes do not determine the costs at ``sizes`` at all: a monomial they cannot
+        tell from the fit's own (a batch measured at one size, a length varied at one
+        batch only, two lengths that changed together) takes another value there than
+        the fit's give it."""
+        sizes = tuple(int(size) for size in sizes)
+        if self._tied:
+            design = monomials(self._tied, self.points)
+            scale = design.abs().amax(dim=0).clamp_min(1.0)
+            query = monomials(self._tied, [sizes]) / scale
+            combination = torch.linalg.lstsq((design / scale).T, query.T, driver="gelsd").solution
+            miss = ((design / scale).T @ combination - query.T).norm()
+            if miss > _SPAN_TOLERANCE * max(1.0, float(query.norm())):
+                return None
+        if self._peaks is None:
+            return 0.0, 0.0
+        own = self._peaks.at(sizes)
+        highest = max(1.0, *own)
+        raised = lowered = 0.0
+        for other in self._others_fitted:
+            for theirs, ours in zip(other.at(sizes), own):
+                raised, lowered = max(raised, theirs - ours), max(lowered, ours - theirs)
+        return raised / highest, lowered / highest
 
     def profile_at(self, sizes: Sizes, scale: float = 1.0) -> ModelProfile:
         """The fitted profile at ``sizes``; with ``scale``, every byte and FLOP of it that
@@ -175,6 +205,28 @@ class CostFit:
         )
 
     # ------------------------------------------------------------------ building
+
+    def _left_out(self, batched: Sequence[bool], values: Sequence[Sequence[float]]) -> None:
+        """What :meth:`leeway` reads: the phases' peaks (and the activations in all)
+        fitted as this fit's monomials give them, and fitted again with each monomial it
+        leaves out beside them, one at a time, where the samples tell that one apart;
+        and the fit's monomials with those they cannot tell apart from them."""
+        checked = [
+            column for key, column in zip(self.keys, values)
+            if key == "total_activation_bytes" or (key.startswith("step/") and not key.endswith("/over"))
+        ]
+        own = rank_of(self.powers, self.points)
+        tied: List[Tuple[int, ...]] = []
+        self._others_fitted: List[Poly] = []
+        self._peaks = least_squares(self.powers, self.points, checked) if checked else None
+        for powers in powers_of(self.names, batched):
+            if powers in self.powers:
+                continue
+            if rank_of([*self.powers, powers], self.points) == own:
+                tied.append(powers)
+            elif self._peaks is not None:
+                self._others_fitted.append(least_squares([*self.powers, powers], self.points, checked))
+        self._tied = (*self.powers, *tied) if tied else ()
 
     def _time(self, samples: Sequence[Tuple[Sizes, ModelProfile]]) -> Dict[str, _Timing]:
         """Per candidate, ``overhead + rate * work`` fitted to its measured times (a rate

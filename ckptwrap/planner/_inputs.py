@@ -22,7 +22,15 @@ The rule, from one forward's inputs:
   size may change and is no variable. Without any (a flat token sequence), its
   dimension is a length.
 * Everything else is fixed: another forward must give it the same size, the same
-  structure of arguments and the same dtypes, or it does not fit this layout.
+  structure of arguments and the same dtypes, or it does not fit this layout as read.
+
+What the rule misses, the steps tell: inputs of the same structure, dtypes and ranks that
+give a fixed dimension another size (the patches of images at another resolution, a
+second input's length, a flat stream of packed tokens), or that give one variable's
+dimensions two sizes (an image's height and width), fit the layout :meth:`widened` by
+them, where those dimensions are variables of their own. A variable found so has the
+size it took before as its value at the shapes measured then (``InputLayout.extended``),
+so nothing measured is lost, and any number of sizes share one layout.
 """
 
 from __future__ import annotations
@@ -52,6 +60,9 @@ class _Variable:
     """Its size in the inputs the layout was read from."""
     where: Tuple[Tuple[int, int], ...]
     """(leaf index, dimension) of every tensor dimension that carries it."""
+    origin: Optional[int] = None
+    """For a variable split off another (its dimensions took that one's sizes until a
+    forward gave them others), that variable's index: the size it had before."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +91,22 @@ class InputLayout:
     def sizes(self) -> Tuple[int, ...]:
         """The variables' sizes in the inputs the layout was read from."""
         return tuple(variable.size for variable in self.variables)
+
+    @property
+    def batched(self) -> Tuple[bool, ...]:
+        """Per variable, whether an input tensor carries it beside the batch (a token
+        length, an image's side), so that what is made of it is made per row; a variable
+        without (the patches of a batch's images, flattened into one axis) is not."""
+        batch = next((k for k, v in enumerate(self.variables) if v.name == "batch"), None)
+        if batch is None:
+            return (False,) * len(self.variables)
+        beside = set()
+        for described in self.leaves:
+            dims = described[2] if len(described) == 3 else ()
+            indices = {-1 - dim for dim in dims if dim != _FREE and dim < 0}
+            if batch in indices:
+                beside |= indices
+        return tuple(k in beside for k in range(len(self.variables)))
 
     def sizes_of(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[Tuple[int, ...]]:
         """The variables' sizes in another forward's inputs, or None if those inputs do
@@ -112,6 +139,78 @@ class InputLayout:
                 elif sizes[index] != size:
                     return None
         return tuple(int(size) for size in sizes)  # type: ignore[arg-type]
+
+    def widened(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional["InputLayout"]:
+        """The layout these inputs fit once the dimensions they give other sizes are
+        variables: a fixed dimension given another size becomes one (those that had one
+        size and now have another are one variable), and a variable whose dimensions
+        take two sizes splits (the most of them keep it). None where the inputs fit this
+        layout as it is, or differ from it in structure, dtype or rank."""
+        spec, leaves = _flat(args, kwargs)
+        if spec != self.spec or len(leaves) != len(self.leaves):
+            return None
+        taken: Dict[int, Dict[int, List[Tuple[int, int]]]] = {}  # per variable, its dimensions by size
+        changed: Dict[Tuple[int, int], List[Tuple[int, int]]] = {}  # fixed ones by (was, now)
+        for i, (leaf, described) in enumerate(zip(leaves, self.leaves)):
+            if not isinstance(leaf, torch.Tensor):
+                if described != (type(leaf).__name__,):
+                    return None
+                continue
+            if len(described) != 3 or described[:2] != (str(leaf.dtype), leaf.device.type):
+                return None
+            if leaf.dim() != len(described[2]):
+                return None
+            for axis, (size, dim) in enumerate(zip(leaf.shape, described[2])):
+                if dim == _FREE:
+                    continue
+                if dim >= 0:
+                    if size != dim:
+                        changed.setdefault((dim, int(size)), []).append((i, axis))
+                    continue
+                taken.setdefault(-1 - dim, {}).setdefault(int(size), []).append((i, axis))
+        split = {index: groups for index, groups in taken.items() if len(groups) > 1}
+        if not changed and not split:
+            return None
+        variables = list(self.variables)
+        names = set(self.names)
+        for index, groups in sorted(split.items()):
+            kept = max(groups.values(), key=lambda places: (len(places), self.variables[index].where[0] in places))
+            variables[index] = dataclasses.replace(variables[index], where=tuple(kept))
+            for places in groups.values():
+                if places is not kept:
+                    name = self._name(places[0], names)
+                    variables.append(_Variable(name, self.variables[index].size, tuple(places), origin=index))
+        for (was, _), places in changed.items():
+            variables.append(_Variable(self._name(places[0], names), was, tuple(places)))
+        index = {place: k for k, variable in enumerate(variables) for place in variable.where}
+        described = []
+        for i, leaf in enumerate(self.leaves):
+            if len(leaf) != 3:
+                described.append(leaf)
+                continue
+            dims = tuple(-1 - index[(i, axis)] if (i, axis) in index else dim for axis, dim in enumerate(leaf[2]))
+            described.append((leaf[0], leaf[1], dims))
+        return InputLayout(self.spec, tuple(described), tuple(variables), self.roots)
+
+    def extended(self, sizes: Sequence[int]) -> Tuple[int, ...]:
+        """``sizes`` given at an earlier form of this layout (before it was
+        :meth:`widened`: fewer variables), in this one: each variable found since at the
+        size it had then."""
+        found = [int(size) for size in sizes]
+        for variable in self.variables[len(found):]:
+            found.append(found[variable.origin] if variable.origin is not None else variable.size)
+        return tuple(found)
+
+    def _name(self, place: Tuple[int, int], taken: set) -> str:
+        """A new variable's name, from the argument and dimension of ``place``
+        (``pixel_values.shape[0]``), unique among ``taken`` (which it joins)."""
+        root = self.roots[place[0]] if place[0] < len(self.roots) else place[0]
+        name = f"{root}.shape[{place[1]}]" if isinstance(root, str) else f"args[{root}].shape[{place[1]}]"
+        unique, number = name, 2
+        while unique in taken:
+            unique, number = f"{name} ({number})", number + 1
+        taken.add(unique)
+        return unique
 
     def declared(self, shapes: Mapping[Any, Sequence[int]]) -> Tuple[int, ...]:
         """The variables' sizes with those that ``shapes`` gives larger: ``shapes`` maps an

@@ -1,22 +1,26 @@
 """From a profile to the solver's items: what checkpointing each measured candidate
 frees, holds and costs, in the order the forward calls them, with its selective levels
-and the terms of the profile's measured step.
+and the terms of the profile's measured step. Times are the profile's prices
+(``_timing.RecomputePrices``): the same counts give the same plan in every process.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 from ._cost_model import CostItem
 from ._levels import Level, pooled_levels
 from ._moments import step_terms
 from ._module_costs import ModelProfile
+from ._timing import RecomputePrices
 
 __all__ = ["cost_item", "forward_items", "forward_levels", "saving", "with_step_terms"]
 
 
-def cost_item(cost: Any, *, segments: bool = False, region_bytes: int = 0) -> CostItem:
+def cost_item(
+    cost: Any, *, segments: bool = False, region_bytes: int = 0, time: Optional[float] = None
+) -> CostItem:
     """The solver's view of one measured module.
 
     A checkpoint keeps the module's inputs; the part of them the module saves itself is
@@ -32,10 +36,14 @@ def cost_item(cost: Any, *, segments: bool = False, region_bytes: int = 0) -> Co
 
     A module called several times keeps (and its checkpoint holds) the sum over its
     calls, while one recomputation rebuilds one call's share, and one backward holds it.
+
+    ``time``: the seconds its recomputation is priced at (see ``RecomputePrices``); by
+    default its measured ones.
     """
     calls = max(1, int(cost.calls))
     extra_inputs = max(0, int(cost.input_bytes) - int(cost.self_saved_input_bytes))
-    time = cost.forward_time if cost.recompute_time is None else cost.recompute_time
+    if time is None:
+        time = cost.forward_time if cost.recompute_time is None else cost.recompute_time
     handed_over = int(cost.handed_over_bytes)
     call_kept = max(0, int(cost.call_kept_bytes or cost.kept_bytes) - handed_over // calls)
     return CostItem(
@@ -92,15 +100,26 @@ def forward_levels(
     region_bytes: int = 0,
 ) -> List[Tuple[str, CostItem, Tuple[Level, ...]]]:
     """:func:`forward_items`, with the selective levels behind each item's ``options``
-    (none without ``levels``, nor for a candidate called several times)."""
+    (none without ``levels``, nor for a candidate called several times). Every time is
+    the profile's price (``RecomputePrices``), not a measured one."""
     costs = [profile[name] for name in names]
+    prices = RecomputePrices(profile)
     order = sorted(range(len(costs)), key=lambda i: (costs[i].position < 0, costs[i].position, i))
     pairs = []
     for rank, i in enumerate(order):
         follows = rank > 0 and costs[order[rank - 1]].position == costs[i].position - 1
-        item = cost_item(costs[i], segments=segments and follows, region_bytes=region_bytes)
+        item = cost_item(
+            costs[i], segments=segments and follows, region_bytes=region_bytes, time=prices.time(costs[i].name)
+        )
         pairs.append((costs[i], item))
-    found = pooled_levels(pairs) if levels else [()] * len(pairs)
+    if levels:
+        found = pooled_levels(
+            pairs,
+            op_times=[prices.op_times(cost.name) for cost, _ in pairs],
+            overheads=[prices.selective(cost.name) for cost, _ in pairs],
+        )
+    else:
+        found = [()] * len(pairs)
     found = [ours if cost.calls <= 1 else () for (cost, _), ours in zip(pairs, found)]
     return [
         (names[i], dataclasses.replace(item, options=tuple(level.option for level in ours)), ours)

@@ -114,33 +114,48 @@ def selective_levels(
     return tuple(_spread(levels, MAX_LEVELS))
 
 
-def pooled_levels(pairs: Sequence[Tuple[Any, CostItem]]) -> List[Tuple[Level, ...]]:
+def pooled_levels(
+    pairs: Sequence[Tuple[Any, CostItem]],
+    *,
+    op_times: Optional[Sequence[Sequence[float]]] = None,
+    overheads: Optional[Sequence[float]] = None,
+) -> List[Tuple[Level, ...]]:
     """:func:`selective_levels` of each ``(cost, item)``, where candidates alike in all
     but time share their operators' times, their recompute time and their selective
     overhead (the medians).
 
-    Repeated blocks run the same operators on data of the same size; their measured
-    operator times differ by noise only. Left as they are, that noise would reorder the
-    operators of each block and give each different levels, which the solver could no
-    longer weigh as one (see ``pooled_times``): every call would plan differently.
+    ``op_times`` (per candidate, per operator) and ``overheads`` (per candidate, one pass
+    of the selective mode): the seconds to weigh instead of those in the costs, as the
+    planner prices them (``RecomputePrices``); alike candidates are priced alike, so
+    their levels are the same by construction. The medians still keep measured times
+    from telling alike candidates apart: repeated blocks run the same operators on data
+    of the same size, and their measured times differ by noise only. Left as they are,
+    that noise would reorder the operators of each block and give each different levels,
+    which the solver could no longer weigh as one (see ``pooled_times``).
     """
     groups: Dict[Any, List[int]] = {}
     for index, (cost, item) in enumerate(pairs):
         groups.setdefault(_alike(cost, item), []).append(index)
+
+    def times_of(i: int, count: int) -> List[float]:
+        given = op_times[i] if op_times is not None else [op.time for op in pairs[i][0].ops]
+        return list(given[:count])
+
+    def overhead_of(i: int) -> float:
+        if overheads is not None:
+            return float(overheads[i])
+        return float(getattr(pairs[i][0], "selective_overhead", 0.0) or 0.0)
+
     result: List[Tuple[Level, ...]] = [()] * len(pairs)
     for members in groups.values():
-        costs = [pairs[i][0] for i in members]
-        count = len(getattr(costs[0], "ops", ()) or ())
-        if len(costs) == 1:
-            times = [op.time for op in costs[0].ops[:count]]
-        else:
-            times = [statistics.median([cost.ops[k].time for cost in costs]) for k in range(count)]
+        first = pairs[members[0]][0]
+        count = len(getattr(first, "ops", ()) or ())
+        rows = [times_of(i, count) for i in members]
+        times = [statistics.median(row[k] for row in rows) for k in range(count)]
         typical = statistics.median(pairs[i][1].time for i in members)
         item = dataclasses.replace(pairs[members[0]][1], time=typical)
-        overhead = statistics.median(
-            float(getattr(cost, "selective_overhead", 0.0) or 0.0) for cost in costs
-        )
-        levels = selective_levels(costs[0], item, op_times=times, overhead=overhead)
+        overhead = statistics.median(overhead_of(i) for i in members)
+        levels = selective_levels(first, item, op_times=times, overhead=overhead)
         for i in members:
             result[i] = levels
     return result
@@ -149,7 +164,7 @@ def pooled_levels(pairs: Sequence[Tuple[Any, CostItem]]) -> List[Tuple[Level, ..
 def _alike(cost: Any, item: CostItem) -> Tuple[Any, ...]:
     """What must match for two candidates to share their levels: all but times."""
     ops = tuple(
-        (op.op, op.occurrence, op.bytes, op.saved, op.mutated, op.random)
+        (op.op, op.occurrence, op.bytes, op.flops, op.saved, op.mutated, op.random)
         for op in (getattr(cost, "ops", ()) or ())
     )
     return (

@@ -3,14 +3,21 @@ measured at its shapes, their fit over the shape variables (``_fit``), whether t
 may stand for shapes not measured, and the margin the closed loop added.
 
 A fit is trusted once it has predicted a measured step it was not fitted on, within
-``_TRUST_UNDER`` (too low) and ``_TRUST_OVER`` (too high) of that step's peak, and then
-only where the measured shapes determine it (``CostFit.identifies``: a batch measured at
-one size says nothing of another) and up to a tenth past the largest size of each
-variable measured. Elsewhere a bound from a measured shape stands (``_bounded_at``):
-costs grow with the shape, so a larger measured shape bounds them, and a smaller one
-scaled up by its growth. A checked step above its prediction adds that share of the
+``_TRUST_UNDER`` (too low) and ``_TRUST_OVER`` (too high) of that step's peak; the fits
+after it keep to its monomials (its *form*) while they predict the steps measured next,
+and fit all the monomials the shapes tell apart again after one they miss. A trusted fit
+stands only where the measured shapes determine it (a batch measured at one size says
+nothing of another) and where no monomial it leaves out, fitted beside its own, would
+move its peaks by more than those shares (``CostFit.leeway``), and up to a tenth past the
+largest size of each variable measured. Elsewhere a bound from a measured shape stands
+(``_bounded_at``): costs grow with the shape, so a larger measured shape bounds them, and
+a smaller one scaled up by its growth. A checked step above its prediction adds that share of the
 un-checkpointed peak as a margin; a large miss at a shape not measured has that shape
 measured again.
+
+A layout is widened where inputs differ from it in sizes only (``InputLayout.widened``):
+the dimensions that changed become variables of it, what was measured keeps its place
+(at the sizes those dimensions had), and no new layout is opened.
 
 While the planner runs the model itself on given inputs (``plan``, example inputs),
 :func:`is_measuring` is true, so that a hook that plans leaves those forwards alone.
@@ -29,7 +36,7 @@ import torch
 
 from ..policy import Budget
 from ._module_costs import ModelProfile
-from ._fit import CostFit, ShapesDiffer
+from ._fit import CostFit, Form, ShapesDiffer
 from ._inputs import InputLayout, read_layout
 
 __all__ = ["LayoutCosts", "Layouts", "PlanSettings", "is_measuring", "measuring"]
@@ -140,6 +147,9 @@ class LayoutCosts:
         """A share of the un-checkpointed peak kept free beyond the predictions."""
         self.failures = 0
         self.remeasure: Set[Sizes] = set()
+        # The form of a fit that predicted a step it was not fitted on: later fits keep
+        # to it (more samples, the same monomials) until it fails to predict one.
+        self._form: Optional[Form] = None
         # Evaluations of the current fit, by sizes (a loop meets a shape many times).
         self._fitted: Dict[Sizes, ModelProfile] = {}
         self._covered: Dict[Sizes, bool] = {}
@@ -200,8 +210,10 @@ class LayoutCosts:
         none negative, so a shape at least as large in every variable bounds them as
         measured (``bounded``), and a smaller one once each term is scaled by the batch's
         growth and the square of the largest length's growth (``scaled``). The measured
-        shape whose bound peaks lowest; None where there is none, or where that bound's
-        peak would not be below ``above``."""
+        shape whose bound peaks lowest, said ``bounded`` wherever a measured shape at
+        least as large stands (a smaller one scaled may peak lower: no larger shape
+        needs measuring); None where there is none, or where that bound's peak would not
+        be below ``above``."""
         names = self.layout.names
         scaled = [(_growth(names, point, sizes), point) for point in self.profiles if point not in self.remeasure]
         if not scaled:
@@ -224,7 +236,7 @@ class LayoutCosts:
             found = self._scaled[(point, scale)] = single.profile_at(point, scale=scale)
             while len(self._scaled) > _EVALUATED:
                 del self._scaled[next(iter(self._scaled))]
-        return "scaled", found
+        return ("bounded" if any(growth == 1.0 for growth, _ in scaled) else "scaled"), found
 
     def _fitted_at(self, sizes: Sizes) -> ModelProfile:
         assert self.fit is not None
@@ -245,21 +257,45 @@ class LayoutCosts:
             return known
         covered = all(
             size <= max(point[index] for point in fit.points) * _EXTEND for index, size in enumerate(sizes)
-        ) and fit.identifies(sizes)
+        )
+        if covered:
+            leeway = fit.leeway(sizes)
+            covered = leeway is not None and leeway[0] <= _TRUST_UNDER and leeway[1] <= _TRUST_OVER
         self._covered[sizes] = covered
         while len(self._covered) > _EVALUATED:
             del self._covered[next(iter(self._covered))]
         return covered
 
+    def widen(self, layout: InputLayout) -> None:
+        """The layout, :meth:`InputLayout.widened` by inputs that gave some of its
+        dimensions other sizes: what was measured stands, its shapes given their sizes
+        in the new variables (those they had), and the fit is made over them again."""
+        added = len(layout.variables) - len(self.layout.variables)
+        self.layout = layout
+        self.profiles = collections.OrderedDict(
+            (layout.extended(sizes), profile) for sizes, profile in self.profiles.items()
+        )
+        self.remeasure = {layout.extended(sizes) for sizes in self.remeasure}
+        if self._form is not None:
+            self._form = tuple(powers + (0,) * added for powers in self._form)
+        if self.profiles:
+            trusted = self.trusted
+            self._refit()
+            # The measured shapes determine nothing where the new variables take other
+            # sizes (``CostFit.leeway``): where the fit was trusted, it still is.
+            self.trusted = trusted and self.trusted
+
     def learn(self, sizes: Sizes, profile: ModelProfile) -> str:
         """Take a step measured at ``sizes``: check the fit on it if it was not fitted on
         it, then fit again. Returns what happened, for the notes."""
+        sizes = self.layout.extended(sizes)  # a step planned before the layout widened
         said = "measured"
         fit = self.fit
         if fit is not None and sizes not in self.profiles:
             under, over = misses(fit.profile_at(sizes), profile)
             was = self.trusted
             self.trusted = under <= _TRUST_UNDER and over <= _TRUST_OVER
+            self._form = fit.powers if self.trusted else None
             said = (
                 f"the fit predicted it within {max(under, over):.1%}"
                 if self.trusted
@@ -277,6 +313,7 @@ class LayoutCosts:
     def missed(self, sizes: Sizes, share: float, source: str) -> None:
         """A checked step at ``sizes`` peaked ``share`` of the un-checkpointed peak above
         its prediction from ``source`` costs."""
+        sizes = self.layout.extended(sizes)
         self.margin = max(self.margin, min(0.5, share + _MARGIN_SLACK))
         if source != "measured" and share > _REMEASURE:
             self.remeasure.add(sizes)
@@ -306,8 +343,9 @@ class LayoutCosts:
         self._single.clear()
         self._scaled.clear()
         samples = list(self.profiles.items())
+        names, batched = self.layout.names, self.layout.batched
         try:
-            self.fit = CostFit(self.layout.names, samples)
+            self.fit = CostFit(names, samples, batched=batched, form=self._form)
             return
         except ShapesDiffer:
             pass
@@ -315,17 +353,19 @@ class LayoutCosts:
         alike = []
         for sizes, profile in samples:
             try:
-                CostFit(self.layout.names, [(sizes, profile), samples[-1]])
+                CostFit(names, [(sizes, profile), samples[-1]], batched=batched)
                 alike.append((sizes, profile))
             except ShapesDiffer:
                 continue
-        self.fit = CostFit(self.layout.names, alike or [samples[-1]])
+        self.fit = CostFit(names, alike or [samples[-1]], batched=batched)
         self.trusted = False
+        self._form = None
 
 
 class Layouts:
     """The layouts of a model's inputs met so far, with their costs: the most recently used
-    ``_LAYOUTS``; ``forget`` is told of each one dropped."""
+    ``_LAYOUTS``; ``forget`` is told of each one dropped, and of each one widened (the
+    sizes its plans were solved at are no longer its)."""
 
     def __init__(self, forget: Callable[[LayoutCosts], None]) -> None:
         self._known: "collections.OrderedDict[Tuple[Any, ...], LayoutCosts]" = collections.OrderedDict()
@@ -338,8 +378,10 @@ class Layouts:
         return self._known.values()
 
     def of(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[LayoutCosts, Sizes]:
-        """The costs of the layout these inputs fit (a new one if none), and their sizes."""
-        found = self.find(args, kwargs)
+        """The costs of the layout these inputs fit, and their sizes: a known layout, as it
+        is or widened by these inputs (``InputLayout.widened``: they differ from it in
+        sizes only), else a new one."""
+        found = self.find(args, kwargs) or self._widen(args, kwargs)
         if found is not None:
             return found
         layout = read_layout(args, kwargs)
@@ -353,15 +395,40 @@ class Layouts:
         """The known layout these inputs fit, and their sizes in it. A keyword argument
         holding a 0-dim tensor that the known inputs lacked (the Trainer's
         ``num_items_in_batch``, a loss scale) is looked past: it moves no activation."""
-        scalars = {k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.dim() == 0}
-        tries = [kwargs, {k: v for k, v in kwargs.items() if k not in scalars}] if scalars else [kwargs]
-        for given in tries:
+        for given in self._tries(kwargs):
             for key, costs in reversed(self._known.items()):
                 sizes = costs.layout.sizes_of(args, given)
                 if sizes is not None:
                     self._known.move_to_end(key)
                     return costs, sizes
         return None
+
+    def _widen(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[Tuple[LayoutCosts, Sizes]]:
+        """The most recently used layout that these inputs differ from in sizes only,
+        widened by them (its dimensions they give other sizes made variables), and
+        their sizes in it; None if there is none."""
+        for given in self._tries(kwargs):
+            for key, costs in reversed(list(self._known.items())):
+                wider = costs.layout.widened(args, given)
+                if wider is None:
+                    continue
+                del self._known[key]
+                costs.widen(wider)
+                self._forget(costs)
+                other = self._known.pop((wider.spec, wider.leaves), None)
+                if other is not None:
+                    self._forget(other)
+                self._known[(wider.spec, wider.leaves)] = costs
+                sizes = wider.sizes_of(args, given)
+                assert sizes is not None
+                return costs, sizes
+        return None
+
+    @staticmethod
+    def _tries(kwargs: Dict[str, Any]) -> List[Dict[str, Any]]:
+        """The keyword arguments as given, then without those holding a 0-dim tensor."""
+        scalars = {k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.dim() == 0}
+        return [kwargs, {k: v for k, v in kwargs.items() if k not in scalars}] if scalars else [kwargs]
 
 
 def misses(predicted: ModelProfile, measured: ModelProfile) -> Tuple[float, float]:

@@ -65,6 +65,10 @@ class ModuleCost:
     created_bytes: int = 0
     """Bytes of every storage its forward created, freed or not: the memory traffic its
     time grows with, beside ``flops``."""
+    forward_ops: int = 0
+    """Operator calls its forward ran, over all its calls (those selective checkpointing
+    numbers): each costs a dispatch beside its work. 0: not counted (as many as ``ops``
+    per call is taken)."""
     handed_over_bytes: int = 0
     """The part of ``kept_bytes`` (its own saved outputs) that the forward after it saves
     as well, the next block's first layer for one: counted in the profile's base bytes,

@@ -55,6 +55,7 @@ class NothingNeeded:
             if (
                 fitted.margin == margin
                 and fitted.budget <= now
+                and len(fitted.sizes) == len(sizes)  # a layout widened since has more variables
                 and all(size <= most for size, most in zip(sizes, fitted.sizes))
             ):
                 return fitted.choice
@@ -66,7 +67,7 @@ class NothingNeeded:
             return
         found = [
             fitted for fitted in self._found.get(key, ())
-            if not (fitted.margin == margin and fitted.budget >= budget
+            if not (fitted.margin == margin and fitted.budget >= budget and len(fitted.sizes) == len(sizes)
                     and all(a <= b for a, b in zip(fitted.sizes, sizes)))
         ]
         found.insert(0, _Fitted(sizes, int(budget), margin, choice))

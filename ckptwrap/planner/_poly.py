@@ -13,7 +13,7 @@ from typing import List, Sequence, Tuple
 
 import torch
 
-__all__ = ["Poly", "basis", "fit_columns", "monomials", "powers_of"]
+__all__ = ["Poly", "basis", "fit_columns", "least_squares", "monomials", "powers_of", "rank_of"]
 
 Sizes = Tuple[int, ...]
 
@@ -37,33 +37,57 @@ class Poly:
         return values
 
 
-def powers_of(names: Sequence[str]) -> Tuple[Tuple[int, ...], ...]:
-    """Exponents of every monomial the fit may use, lowest degree first: degree <= 1 in
-    the batch, <= 2 in the lengths."""
+def powers_of(names: Sequence[str], batched: Sequence[bool] = ()) -> Tuple[Tuple[int, ...], ...]:
+    """Exponents of every monomial the fit may use (degree <= 1 in the batch, <= 2 in the
+    lengths), in the order a fit takes them up.
+
+    Bytes are sums of tensor sizes, and a tensor made of a variable the inputs carry
+    beside the batch (``batched``: a token length, an image's side) is made per row: its
+    size is the batch times the lengths, never the lengths alone. So the monomials a
+    tensor's size can be come first (the constant, the batch, then the batch times such
+    lengths and the lengths the inputs carry without the batch, lowest degree first),
+    and the others after (a mask shared by every row, ``s^2``), lowest degree first: a
+    few measured shapes fit a vision tower's ``b`` beside a text tower's ``b*s``, where
+    ``1, b, s`` would miss the product."""
     batch = bool(names) and names[0] == "batch"
     lengths = len(names) - batch
+    carried = tuple(batched[batch:]) if batched else (False,) * lengths
     length_powers = [p for p in itertools.product(range(3), repeat=lengths) if sum(p) <= 2]
     found = [
         ((b,) if batch else ()) + p for b in ((0, 1) if batch else (0,)) for p in length_powers
     ]
-    return tuple(sorted(found, key=lambda p: (sum(p), tuple(-e for e in p))))
+
+    def made_per_row(exponents: Tuple[int, ...]) -> bool:
+        if not batch:
+            return True
+        used = [with_batch for with_batch, power in zip(carried, exponents[1:]) if power]
+        return not used or (all(used) if exponents[0] else not any(used))
+
+    return tuple(sorted(
+        found, key=lambda p: (not made_per_row(p), sum(p[batch:]), sum(p), tuple(-e for e in p))
+    ))
 
 
-def basis(names: Sequence[str], points: Sequence[Sizes]) -> Tuple[Tuple[int, ...], ...]:
-    """The monomials the measured ``points`` can tell apart: each, lowest degree first,
-    kept if it raises the rank of the design."""
+def basis(names: Sequence[str], points: Sequence[Sizes], batched: Sequence[bool] = ()) -> Tuple[Tuple[int, ...], ...]:
+    """The monomials the measured ``points`` can tell apart: each, in the order
+    :func:`powers_of` gives them, kept if it raises the rank of the design, until there
+    are as many as points."""
     chosen: List[Tuple[int, ...]] = []
     rank = 0
-    for powers in powers_of(names):
+    for powers in powers_of(names, batched):
         if len(chosen) == len(points):
             break
-        design = monomials([*chosen, powers], points)
-        scaled = design / design.abs().amax(dim=0).clamp_min(1.0)
-        found = int(torch.linalg.matrix_rank(scaled, rtol=_RANK_TOLERANCE))
-        if found > rank:
+        if rank_of([*chosen, powers], points) > rank:
             chosen.append(powers)
-            rank = found
+            rank += 1
     return tuple(chosen)
+
+
+def rank_of(powers: Sequence[Tuple[int, ...]], points: Sequence[Sizes]) -> int:
+    """How many of the monomials ``powers`` the ``points`` tell apart."""
+    design = monomials(powers, points)
+    scaled = design / design.abs().amax(dim=0).clamp_min(1.0)
+    return int(torch.linalg.matrix_rank(scaled, rtol=_RANK_TOLERANCE))
 
 
 def monomials(powers: Sequence[Tuple[int, ...]], points: Sequence[Sizes]) -> torch.Tensor:
@@ -73,6 +97,15 @@ def monomials(powers: Sequence[Tuple[int, ...]], points: Sequence[Sizes]) -> tor
 
 _CHUNK = 256
 """Columns fitted at once: the tensors of one fit stay a few tens of KiB."""
+
+
+def least_squares(powers: Sequence[Tuple[int, ...]], points: Sequence[Sizes], columns: Sequence[Sequence[float]]) -> Poly:
+    """Least-squares polynomials through ``columns``, as they come (not raised)."""
+    design = monomials(powers, points)
+    scale = design.abs().amax(dim=0).clamp_min(1.0)
+    values = torch.tensor([list(column) for column in columns], dtype=torch.float64).T
+    solution = torch.linalg.lstsq(design / scale, values).solution / scale.unsqueeze(1)
+    return Poly(tuple(powers), solution.tolist())
 
 
 def fit_columns(powers: Tuple[Tuple[int, ...], ...], points: Sequence[Sizes], columns: Sequence[Sequence[float]]) -> Tuple[Poly, List[float]]:
