@@ -22,6 +22,7 @@ __all__ = [
     "device_context_class",
     "disable_current_modes",
     "dispatch_modes_active",
+    "dispatch_stack",
     "dropout_classes",
     "fake_tensor",
     "fallbacks_in_use",
@@ -110,6 +111,40 @@ make_saved_tensor: Optional[Callable[..., Any]] = _lookup(
 # Fallback: assume one is, so no region is recomputed ahead in another thread (a mode
 # such as FlopCounterMode would not see it there): the recomputation runs in backward.
 _dispatch_mode_count: Callable[[], int] = _lookup(torch._C, "_len_torch_dispatch_stack", lambda: 1)
+
+
+# --- following a training step (measure._span) -----------------------------------------
+
+
+class _DispatchStack(NamedTuple):
+    """The calling thread's dispatch mode stack, one mode at a time (inside a backward,
+    the copy of the thread-local state that autograd's engine puts back after each node)."""
+
+    push: Callable[[Any], None]
+    pop: Callable[[], Any]
+    length: Callable[[], int]
+    at: Callable[[int], Any]
+
+
+def _dispatch_stack() -> Optional[_DispatchStack]:
+    found = [
+        _lookup(torch._C, name, None)
+        for name in (
+            "_push_on_torch_dispatch_stack", "_pop_torch_dispatch_stack",
+            "_len_torch_dispatch_stack", "_get_dispatch_stack_at",
+        )
+    ]
+    if None in found:
+        return None
+    push, pop, length, at = found
+    return _DispatchStack(push, lambda: pop(None), length, at)
+
+
+# torch 2.0 and later. Fallback None: a meter's counter is never put on a stack by hand,
+# so a metered step's forward and recomputations count nothing by operators: what the
+# backward's nodes are handed (and, on the CPU, the allocator's events around them) is
+# what such a step measures.
+dispatch_stack: Optional[_DispatchStack] = _dispatch_stack()
 
 
 def dispatch_modes_active() -> bool:

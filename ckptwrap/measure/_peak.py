@@ -2,7 +2,10 @@
 
 On CUDA and other accelerators the caching allocator's peak statistics are used. On the
 CPU, which keeps no such statistics, the bytes of tensor storages created inside the
-block are counted as they are allocated and freed, through a dispatch mode.
+block are counted as they are allocated and freed, through a dispatch mode; where no
+dispatch mode may be (a backward, see ``_span``), by the storages a counter is handed,
+with the allocator's events read around stretches of code
+(:meth:`StorageCounter.open_reading`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._errors import CheckpointConfigError
 from ._storages import tensors
-from ._workspace import may_hold, run_held
+from ._workspace import Reading, may_hold, run_held
 
 __all__ = ["PeakMemory", "StorageCounter", "measure_peak", "outputs_of"]
 
@@ -171,10 +174,21 @@ class StorageCounter(TorchDispatchMode):
             while it runs beyond its outputs (``_workspace``: CPU convolutions), so that
             the peak is the allocator's, not only the outputs'.
 
+    Code that must run with no dispatch mode on the stack (a node of a backward: any mode
+    makes autograd accumulate gradients out of place) is counted otherwise: bytes its
+    caller follows by other means are added with :meth:`hold`, and on the CPU what the
+    code allocates and frees meanwhile is read from the allocator's events
+    (:meth:`open_reading`, :meth:`close_reading`). What a reading saw allocated that
+    outlives it, in no storage the counter follows and not held by the caller (a tensor
+    recomputed inside a node that a later node unpacks), is kept as ``unattributed``
+    bytes, which later readings' frees take down.
+
     Attributes:
         peak_bytes: The highest count so far.
         created_bytes: Bytes of every storage counted, freed or not.
         moments: With ``trace``, the live bytes after each operator that created storage.
+        unattributed: Bytes of ``live_bytes`` that readings saw allocated and not freed,
+            in no storage the counter follows and not held (see :meth:`hold`).
     """
 
     def __init__(self, device_type: str, *, trace: bool = False, workspaces: bool = False) -> None:
@@ -197,6 +211,16 @@ class StorageCounter(TorchDispatchMode):
         self._closed = False
         self.peak_bytes = 0
         self.ops = 0
+        # The reading in progress (see ``open_reading``): its thread, the bytes of the
+        # storages counted while it is open (in its events too), and those of the ones
+        # freed on its thread while it is open that were counted during a reading (the
+        # allocator reports their free among its events).
+        self._reading: Optional[Reading] = None
+        self._reading_thread: Optional[int] = None
+        self._reading_start = 0
+        self._counted_in_reading = 0
+        self._reported_frees: List[int] = []
+        self.unattributed = 0
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -217,7 +241,8 @@ class StorageCounter(TorchDispatchMode):
         if self._closed:
             return func(*args, **kwargs)
         self.ops += 1
-        if self._workspaces and may_hold(func):
+        # (Inside a reading of the allocator's events, they hold the operator's workspace.)
+        if self._workspaces and may_hold(func) and self._reading_thread != threading.get_ident():
             before = self.live_bytes
             out, held = run_held(func, args, kwargs)
             self._record(func, out, args, kwargs)
@@ -256,12 +281,95 @@ class StorageCounter(TorchDispatchMode):
             with self._lock:
                 self.moments.append(self._live)
 
-    def adopt(self, tensor: torch.Tensor) -> None:
-        """Count ``tensor``'s storage from now until it is freed, as if an operator had
-        made it: a tensor made outside the dispatcher (a generator's state)."""
-        if not self._closed and self._count_outputs(True, tensor, (), {}) and self._trace:
+    def adopt(self, tensor: Any, *, moment: bool = True) -> None:
+        """Count the storages of ``tensor`` (a tensor, or a sequence of them) from now until
+        they are freed, as if an operator had made them: tensors made outside the
+        dispatcher (a generator's state, the gradients a node of a backward receives and
+        returns). With ``moment`` (and ``trace``), a moment after them if any was new."""
+        if self._closed:
+            return
+        created = self._count_outputs(True, tensor, (), {})
+        if created and moment and self._trace:
             with self._lock:
                 self.moments.append(self._live)
+
+    def hold(self, nbytes: int) -> None:
+        """Bytes the caller follows by other means were allocated (or, negative, freed):
+        the count goes up (or down) by them."""
+        if self._closed or not nbytes:
+            return
+        with self._lock:
+            if nbytes > 0:
+                self._add(nbytes)
+                self.created_bytes -= nbytes  # (none of the storages it counts)
+            else:
+                self._live += nbytes
+
+    def moment(self, above: int = 0) -> None:
+        """A moment at the bytes alive now (the end of a stretch counted by what it was
+        handed, see :meth:`adopt`), or ``above`` them (what is known to have been held
+        briefly on top)."""
+        if not self._closed:
+            live = self.live_bytes
+            with self._lock:
+                self._peak_at(live + above)
+
+    # ------------------------------------------------------------------ readings
+
+    @property
+    def reading(self) -> bool:
+        """Whether a reading of this counter's is open."""
+        return self._reading is not None
+
+    def open_reading(self) -> bool:
+        """Read the allocator's events on this thread from now until :meth:`close_reading`
+        (on the CPU, where no profiler records on this thread); False where none can be
+        taken: the code is then counted by the storages it is handed alone."""
+        if self._closed or self._device_type != "cpu" or self._reading is not None:
+            return False
+        reading = Reading()
+        start = self.live_bytes
+        with self._lock:
+            self._reading_thread = threading.get_ident()
+            self._counted_in_reading = 0
+            self._reported_frees.clear()
+        if not reading.open():
+            self._reading_thread = None
+            return False
+        self._reading, self._reading_start = reading, start
+        return True
+
+    def close_reading(self, held: int = 0) -> None:
+        """End the reading in progress: a moment at the highest its events reached above
+        the bytes alive when it opened, and what it saw allocated that outlives it in no
+        storage counted taken into ``unattributed`` (see the class). ``held``: bytes among
+        its events that the caller follows (:meth:`hold`), or knows freed after it."""
+        reading, self._reading = self._reading, None
+        if reading is None:
+            return
+        net, high = reading.close()
+        with self._lock:
+            self._reading_thread = None
+            while self._freed:
+                self._live -= self._freed.pop()
+            reported = 0
+            while self._reported_frees:
+                reported += self._reported_frees.pop()
+            # The events: what it allocated, less what it freed of blocks allocated during
+            # readings. Storages counted during it are in the events and in the count;
+            # those of them freed are in both, and the count has let them go already.
+            change = net - held - self._counted_in_reading + reported
+            held = max(0, self.unattributed + change)
+            self._live += held - self.unattributed
+            self.unattributed = held
+            self._peak_at(max(self._reading_start + high, self._live))
+
+    def drop_reading(self) -> None:
+        """Forget a reading that the code it read left open (it raised, and autograd's
+        engine dropped the profiler with the node's thread-local state): nothing of it is
+        read, and nothing is disabled (a profiler on the thread now is another's)."""
+        self._reading = None
+        self._reading_thread = None
 
     def _peak_at(self, nbytes: int) -> None:
         """A moment at which ``nbytes`` were held; the lock is held."""
@@ -288,6 +396,8 @@ class StorageCounter(TorchDispatchMode):
                 if nbytes > counted.nbytes:  # resized in place, e.g. by an out= operator
                     with self._lock:
                         self._add(nbytes - counted.nbytes)
+                        if self._reading_thread is not None:
+                            self._counted_in_reading += nbytes - counted.nbytes
                         counted.nbytes = nbytes
                     created = True
                 continue
@@ -305,11 +415,15 @@ class StorageCounter(TorchDispatchMode):
                     continue
             ref = _Counted(storage, self._on_release)
             ref.key, ref.nbytes = key, nbytes
+            # Counted during a reading: its free is among the events of one open then.
+            ref.reported = self._reading_thread is not None and self._reading_thread == threading.get_ident()
             with self._lock:
                 if key in refs:
                     continue
                 refs[key] = ref
                 self._add(nbytes)
+                if ref.reported:
+                    self._counted_in_reading += nbytes
             created = created or nbytes > 0
         return created
 
@@ -327,6 +441,8 @@ class StorageCounter(TorchDispatchMode):
         refs = self._refs
         if refs.get(ref.key) is ref and refs.pop(ref.key, None) is not None:
             self._freed.append(ref.nbytes)
+            if ref.reported and self._reading_thread == threading.get_ident():
+                self._reported_frees.append(ref.nbytes)
 
     def _storage_of(self, value: Any) -> torch.UntypedStorage | None:
         """The storage behind ``value`` if it is a dense tensor on the measured device."""
@@ -355,9 +471,10 @@ class StorageCounter(TorchDispatchMode):
 
 
 class _Counted(weakref.ref):
-    """A weak reference to a counted storage, with its key and the bytes counted for it."""
+    """A weak reference to a counted storage, with its key, the bytes counted for it and
+    whether it was counted during a reading (whose events then report its free)."""
 
-    __slots__ = ("key", "nbytes")
+    __slots__ = ("key", "nbytes", "reported")
 
 
 _aten = torch.ops.aten

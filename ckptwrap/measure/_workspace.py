@@ -17,6 +17,9 @@ readings over contiguous convolutions of one to three dimensions, strides 1 to 5
 kernels 1 to 10, grouped and depthwise stands in: the forward held at most 0.9 times,
 its backward at most 1.55 times the bytes of input, output (or output gradient) and
 weight; rounded up to 1 and 1.6.
+
+The same events read a stretch of code that runs where no dispatch mode may be (a node
+of a backward, see ``_span``): :class:`Reading`.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch
 
 from .. import _torch_private
 
-__all__ = ["may_hold", "run_held"]
+__all__ = ["Reading", "may_hold", "run_held"]
 
 _aten = torch.ops.aten
 _BOUND = {"convolution": 1.0, "convolution_backward": 1.6}
@@ -176,25 +179,74 @@ def _aside(profiler: Any, func: Any, args: Any, kwargs: Dict[str, Any]) -> Optio
 
 
 def _reading(profiler: Any, func: Any, args: Any, kwargs: Dict[str, Any]) -> Tuple[Any, Optional[int]]:
-    enable, disable, config = profiler
-    try:
-        enable(config())
-    except RuntimeError:
+    reading = Reading()
+    if not reading.open():
         return func(*args, **kwargs), None
     try:
         out = func(*args, **kwargs)
     finally:
-        events = disable()
-    live = held = 0
-    for thread in events:
-        for event in thread:
-            if event.kind() == "memory_alloc":
-                live += event.cpu_memory_usage()
-                held = max(held, live)
+        live, held = reading.close()
     # What it kept beyond its outputs (oneDNN's reordered weights, cached for the next
     # call of the same shape) is not held by later calls.
     made = sum(t.untyped_storage().nbytes() for t in (out if isinstance(out, tuple) else (out,)) if isinstance(t, torch.Tensor))
     return out, held - max(0, live - made)
+
+
+class Reading:
+    """The CPU allocator's events on the calling thread from :meth:`open` to :meth:`close`:
+    what the code between them allocated and freed, in order, read with torch's legacy
+    autograd profiler (no profiler library, no output, no other thread). It allocates no
+    tensor memory and changes no operator's path, so code read this way runs as unread.
+
+    The allocator reports a free only of a block it saw allocated while some reading was
+    open on the thread: what was allocated before (or between readings) and is freed
+    during one is not among the events.
+    """
+
+    __slots__ = ("thread",)
+
+    def __init__(self) -> None:
+        self.thread: Optional[int] = None
+
+    def open(self) -> bool:
+        """Start reading; False where no reading can be taken: a profiler records on this
+        thread already (the caller's, or one not closed), or this torch lacks the legacy
+        profiler."""
+        profiler = _torch_private.legacy_memory_profiler
+        if profiler is None or _torch_private.profiler_enabled():
+            return False
+        try:
+            profiler[0](_config(profiler))
+        except RuntimeError:
+            return False
+        self.thread = threading.get_ident()
+        return True
+
+    def close(self) -> Tuple[int, int]:
+        """Stop reading: the bytes allocated less those freed (``net``), and the highest
+        that running sum reached (``high``, at least 0), above where it began."""
+        self.thread = None
+        profiler = _torch_private.legacy_memory_profiler
+        assert profiler is not None
+        live = high = 0
+        for thread in profiler[1]():
+            for event in thread:
+                if event.kind() == "memory_alloc":
+                    live += event.cpu_memory_usage()
+                    if live > high:
+                        high = live
+        return live, high
+
+
+_CONFIG: List[Any] = []
+
+
+def _config(profiler: Any) -> Any:
+    """The legacy profiler's configuration (made once: a reading is taken per node of a
+    backward)."""
+    if not _CONFIG:
+        _CONFIG.append(profiler[2]())
+    return _CONFIG[0]
 
 
 def _bound(name: str, args: Any, out: Any) -> int:

@@ -1,22 +1,29 @@
 """A meter that cuts a training step into phases and keeps, per phase, its peak, its
 moments (the points at which its memory can peak) and its duration.
 
-Moments are counted at operators' outputs through a dispatch mode (``measure``'s storage
-counter), in the order the program makes them, so that the same code at another shape
-gives as many, in the same order. On accelerators each phase's peak is also read at the
-allocator (its peak statistics, reset at each cut), so that memory no operator returns (a
-kernel's workspace) counts too. On the CPU, which keeps no such statistics, the peak is
-the moments' highest; ``torch.profiler`` is never started, so that a meter inside a
-training step neither disturbs the caller's profiler nor another thread's.
+Moments are counted in the order the program makes them, so that the same code at
+another shape gives as many, in the same order: in the forward and in each recomputation
+at operators' outputs, through a dispatch mode (``measure``'s storage counter); in the
+backward, which runs with no dispatch mode (one would make autograd accumulate gradients
+out of place), one per node of the graph, at the most it held (``measure``'s
+``StepSpan``). On accelerators each phase's peak is also read at the allocator (its peak
+statistics, reset at each cut), so that memory no operator returns (a kernel's
+workspace) counts too. On the CPU, which keeps no such statistics, the peak is the
+moments' highest: a node's moment is read from the allocator's events on the calling
+thread (torch's legacy profiler, which starts no profiler library), and where a profiler
+of the caller's records there, it is what the node received and returned;
+``torch.profiler`` is never started, so that a meter inside a training step neither
+disturbs the caller's profiler nor another thread's.
 
 A step the meter follows may be the user's own: started in the forward's pre-hook, left
-when the forward returns, carried through the backward node by node (``measure``'s
-``StepSpan``), cut by the candidates as they run and are recomputed, and finished where
-the backward ends, inside autograd's engine.
+when the forward returns, carried through the backward node by node, cut by the
+candidates as they run and are recomputed, and finished where the backward ends, inside
+autograd's engine.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, List, NamedTuple, Optional, Tuple
 
@@ -121,6 +128,13 @@ class PhaseMeter:
         if self._span is not None and not self.finished:
             self._span.follow(roots)
 
+    def counting(self) -> Any:
+        """Count a forward run inside the backward (a region's recomputation) operator by
+        operator, as the forward was (``StepSpan.counting``)."""
+        if self._span is None or self.finished:
+            return contextlib.nullcontext()
+        return self._span.counting()
+
     def loss_outside(self, grad: torch.Tensor) -> None:
         """The backward reached the model with ``grad`` from a loss made outside it: count
         the gradient from now on, and what the loss is taken to have held at its highest."""
@@ -147,6 +161,8 @@ class PhaseMeter:
             return
         if self._module is not None:
             self._module.synchronize(self.device)
+        assert self._span is not None
+        self._span.settle()  # what the node in progress held so far is this phase's
         peak, moments = self._counter.cut()
         if self._module is not None:
             peak = max(peak, self._module.max_memory_allocated(self.device) - self._start)
@@ -164,13 +180,14 @@ class PhaseMeter:
     def window(self) -> "_OpenWindow":
         """Start following a stretch of the phase in progress; close the returned window
         where it ends."""
-        assert self._counter is not None
-        return _OpenWindow(self._counter)
+        assert self._counter is not None and self._span is not None
+        return _OpenWindow(self._counter, self._span)
 
 
 class _OpenWindow:
-    def __init__(self, counter: "_PhaseCounter") -> None:
+    def __init__(self, counter: "_PhaseCounter", span: StepSpan) -> None:
         self._counter = counter
+        self._span = span
         self._start = counter.live_bytes
         self._ops = counter.ops
         self._moments: List[int] = []
@@ -180,6 +197,8 @@ class _OpenWindow:
     def close(self) -> Window:
         seconds = time.perf_counter() - self._time
         counter = self._counter
+        if self in counter.windows:
+            self._span.settle()  # what the allocator held inside it, beyond the outputs
         with counter._lock:
             if self in counter.windows:
                 counter.windows.remove(self)

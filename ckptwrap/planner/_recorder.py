@@ -7,7 +7,9 @@ The step may be the user's own (a training forward, the user's loss, the user's
 backward: whatever they keep alive counts) or one run on example inputs
 (``_profile``). Nothing runs that the step would not run: a candidate's saved tensors
 are seen as its region drops them (``engine.observe_saved``), its operators through a
-dispatch mode inside its forward, and its working set as it is recomputed.
+dispatch mode inside its forward, and its working set as it is recomputed (through the
+same mode, put on the stack for the recomputation alone: the backward around it runs with
+none, as an unmetered one does).
 
 Bookkeeping never raises into the step: a failure ends the recording (``failed``) and
 the step goes on as it would have.
@@ -182,7 +184,10 @@ class StepRecorder:
             self.phases.cut(f"recompute:{record.name}")
             window = self.phases.window()
             try:
-                return call(*args, **kwargs)
+                # A forward inside a node of the backward: counted by operators, as the
+                # forward was (the backward itself runs with no dispatch mode).
+                with self.phases.counting():
+                    return call(*args, **kwargs)
             finally:
                 self._guarded(self._book.recomputed, record, window.close())
                 self.phases.cut(f"backward:{record.name}")
