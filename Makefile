@@ -17,8 +17,12 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet -e ".[test]"
 	touch $(STAMP)
 
+# The suite's worker processes (pytest-xdist): one per core, up to 4; TEST_JOBS=0 runs it
+# in this process.
+TEST_JOBS ?= auto
+
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_JOBS) --maxprocesses 4
 
 demo: $(STAMP)
 	$(PY) examples/train_gpt.py

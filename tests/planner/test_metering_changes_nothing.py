@@ -61,7 +61,7 @@ def _peak(model, batch, *, args=()) -> int:
 
 
 def _compare(model, batch, *, args=()):
-    """Peaks of the plain step; of a lazy budget no plan reaches over eight steps (the
+    """Peaks of the plain step; of a lazy budget no plan reaches over five steps (the
     first measured under every candidate checkpointed, then the plan of least memory,
     checked at some steps and not at others); and of ``blocks`` (every candidate) run
     with no planner."""
@@ -74,7 +74,7 @@ def _compare(model, batch, *, args=()):
     ckptwrap.wrap_model(metered, "budget:1B")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "no plan fits": every step at least memory
-        steps = [_peak(metered, batch, args=args) for _ in range(8)]
+        steps = [_peak(metered, batch, args=args) for _ in range(5)]
     return plain, steps, unmetered
 
 
