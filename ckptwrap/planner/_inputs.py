@@ -112,21 +112,14 @@ class InputLayout:
         """The variables' sizes in another forward's inputs, or None if those inputs do
         not fit this layout (another structure, dtype or fixed size, or one variable
         given two sizes)."""
-        spec, leaves = _flat(args, kwargs)
-        if spec != self.spec or len(leaves) != len(self.leaves):
+        leaves = self._leaves_alike(args, kwargs)
+        if leaves is None:
             return None
         sizes: List[Optional[int]] = [None] * len(self.variables)
         for leaf, described in zip(leaves, self.leaves):
             if not isinstance(leaf, torch.Tensor):
-                if described != (type(leaf).__name__,):
-                    return None
                 continue
-            if len(described) != 3 or described[:2] != (str(leaf.dtype), leaf.device.type):
-                return None
-            dims = described[2]
-            if leaf.dim() != len(dims):
-                return None
-            for size, dim in zip(leaf.shape, dims):
+            for size, dim in zip(leaf.shape, described[2]):
                 if dim == _FREE:
                     continue
                 if dim >= 0:
@@ -140,26 +133,37 @@ class InputLayout:
                     return None
         return tuple(int(size) for size in sizes)  # type: ignore[arg-type]
 
+    def _leaves_alike(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[List[Any]]:
+        """The inputs' leaves where they have this layout's structure, and each tensor its
+        dtype, device and rank (each other leaf its type); else None."""
+        spec, leaves = _flat(args, kwargs)
+        if spec != self.spec or len(leaves) != len(self.leaves):
+            return None
+        for leaf, described in zip(leaves, self.leaves):
+            if not isinstance(leaf, torch.Tensor):
+                if described != (type(leaf).__name__,):
+                    return None
+            elif (
+                len(described) != 3 or described[:2] != (str(leaf.dtype), leaf.device.type)
+                or leaf.dim() != len(described[2])
+            ):
+                return None
+        return leaves
+
     def widened(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional["InputLayout"]:
         """The layout these inputs fit once the dimensions they give other sizes are
         variables: a fixed dimension given another size becomes one (those that had one
         size and now have another are one variable), and a variable whose dimensions
         take two sizes splits (the most of them keep it). None where the inputs fit this
         layout as it is, or differ from it in structure, dtype or rank."""
-        spec, leaves = _flat(args, kwargs)
-        if spec != self.spec or len(leaves) != len(self.leaves):
+        leaves = self._leaves_alike(args, kwargs)
+        if leaves is None:
             return None
         taken: Dict[int, Dict[int, List[Tuple[int, int]]]] = {}  # per variable, its dimensions by size
         changed: Dict[Tuple[int, int], List[Tuple[int, int]]] = {}  # fixed ones by (was, now)
         for i, (leaf, described) in enumerate(zip(leaves, self.leaves)):
             if not isinstance(leaf, torch.Tensor):
-                if described != (type(leaf).__name__,):
-                    return None
                 continue
-            if len(described) != 3 or described[:2] != (str(leaf.dtype), leaf.device.type):
-                return None
-            if leaf.dim() != len(described[2]):
-                return None
             for axis, (size, dim) in enumerate(zip(leaf.shape, described[2])):
                 if dim == _FREE:
                     continue

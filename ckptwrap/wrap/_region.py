@@ -11,6 +11,14 @@ region's small buffers are copied before its forward, those the forward changed 
 and each recomputation runs from them and then puts back what the buffers held before it,
 so it computes what the forward computed and the step changes each buffer once. A changed
 buffer too large to copy is refused at the recomputation, naming it.
+
+State a forward keeps in plain attributes is replayed the same way: a tensor attribute
+(or one that is None) of the region's modules that the forward assigns anew (a causal
+video convolution's ``self.prev_features``, the frames it pads the next chunk with) is
+set back to what the forward found while the recomputation runs, then to what it holds
+now. Without that the recomputation would pad with the frames of the last chunk, not of
+the one before it, and compute other tensors than the forward saved. The attribute's
+value from before the forward is kept until the region's backward.
 """
 
 from __future__ import annotations
@@ -207,7 +215,7 @@ class _KeepStats:
     statistics untouched when it runs as a recomputation, and replays the buffers its
     first run changed in place (see the module's docstring)."""
 
-    __slots__ = ("owner", "call", "_changed")
+    __slots__ = ("owner", "call", "_changed", "_reassigned")
 
     def __init__(
         self, owner: Union[torch.nn.Module, Tuple[torch.nn.Module, ...]], call: Callable[..., Any]
@@ -215,15 +223,20 @@ class _KeepStats:
         self.owner = owner
         self.call = call
         self._changed: Optional[List[_Buffer]] = None
+        self._reassigned: List[Tuple[torch.nn.Module, str, Any]] = []
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         owners = self.owner if isinstance(self.owner, tuple) else (self.owner,)
         if self._changed is None:  # the first run: the forward (or inside an enclosing recomputation)
             before = _buffers_before(owners)
+            attributes = _attributes_before(owners)
             out = self._run(owners, args, kwargs)
             self._changed = [entry for entry in before if entry.tensor._version != entry.version]
+            self._reassigned = [
+                (sub, name, value) for sub, name, value in attributes if sub.__dict__.get(name, _GONE) is not value
+            ]
             return out
-        with _replayed(self._changed):
+        with _replayed(self._changed), _attributes_replayed(self._reassigned):
             return self._run(owners, args, kwargs)
 
     def _run(self, owners: Tuple[torch.nn.Module, ...], args: Any, kwargs: Dict[str, Any]) -> Any:
@@ -279,6 +292,47 @@ def _buffers_before(modules: Tuple[torch.nn.Module, ...]) -> List[_Buffer]:
             if entry.tensor.numel() * entry.tensor.element_size() <= _COPIED_BYTES else entry
             for entry in found
         ]
+
+
+_GONE = object()
+"""An attribute's value where the module no longer has it."""
+
+
+def _attributes_before(modules: Tuple[torch.nn.Module, ...]) -> List[Tuple[torch.nn.Module, str, Any]]:
+    """(module, name, value) of every public plain attribute of these modules and their
+    submodules that holds a tensor or None: the state a forward may assign anew."""
+    found = []
+    seen = set()
+    for module in modules:
+        for sub in module.modules():
+            if id(sub) in seen:
+                continue
+            seen.add(id(sub))
+            found.extend(
+                (sub, name, value) for name, value in sub.__dict__.items()
+                if not name.startswith("_") and (value is None or isinstance(value, torch.Tensor))
+            )
+    return found
+
+
+@contextlib.contextmanager
+def _attributes_replayed(reassigned: List[Tuple[torch.nn.Module, str, Any]]) -> Iterator[None]:
+    """Attributes the forward assigned anew, as the forward found them while a
+    recomputation runs; as they are now once it ends."""
+    if not reassigned:
+        yield
+        return
+    now = [(sub, name, sub.__dict__.get(name, _GONE)) for sub, name, _ in reassigned]
+    for sub, name, value in reassigned:
+        sub.__dict__[name] = value
+    try:
+        yield
+    finally:
+        for sub, name, value in now:
+            if value is _GONE:
+                sub.__dict__.pop(name, None)
+            else:
+                sub.__dict__[name] = value
 
 
 @contextlib.contextmanager
