@@ -101,7 +101,7 @@ _WIDTHS = frozenset((
     "hidden_size", "intermediate_size", "n_embd", "d_model", "d_ff", "d_kv", "ffn_dim", "dim",
     "hidden_dim", "embedding_size", "encoder_ffn_dim", "decoder_ffn_dim", "head_dim",
     "rotary_dim", "word_embed_proj_dim", "attention_hidden_size", "projection_dim",
-    "embed_dim", "hidden_sizes", "conv_dim",
+    "embed_dim", "hidden_sizes", "conv_dim", "mrope_section",
 ))
 """Config fields that are widths (of features, heads or channels), never counts or lengths."""
 
