@@ -11,13 +11,13 @@ from __future__ import annotations
 import copy
 import sys
 from pathlib import Path
-from typing import List
 
 import pytest
 import torch
 import torch.utils.checkpoint
 
 import ckptwrap
+from _compiling import Recorder, fresh_compiler  # noqa: F401 (an autouse fixture)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from gpt import GPT, Block, GPTConfig, synthetic_batch  # noqa: E402
@@ -25,28 +25,6 @@ from gpt import GPT, Block, GPTConfig, synthetic_batch  # noqa: E402
 # No dropout: compiled code draws its random numbers differently from eager code.
 _CONFIG = GPTConfig(vocab=64, width=32, heads=2, layers=2, seq_len=16, dropout=0.0)
 _STEPS = 2
-
-
-class _Recorder:
-    """A backend that keeps every graph it is given and compiles it with ``aot_eager``."""
-
-    def __init__(self) -> None:
-        self.graphs: List[torch.fx.GraphModule] = []
-
-    def __call__(self, graph: torch.fx.GraphModule, example_inputs):
-        self.graphs.append(graph)
-        return torch._dynamo.lookup_backend("aot_eager")(graph, example_inputs)
-
-    def checkpoints(self) -> int:
-        checkpoint_op = torch.ops.higher_order.tag_activation_checkpoint
-        return sum(node.target is checkpoint_op for g in self.graphs for node in g.graph.nodes)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_compiler():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def _train_and_compare(reference: GPT, model: GPT, run) -> None:
@@ -71,7 +49,7 @@ def test_compiled_wrapped_model_trains_like_eager(policy, use_reentrant):
     torch.manual_seed(0)
     reference = GPT(_CONFIG)
     model = ckptwrap.wrap_model(copy.deepcopy(reference), policy, use_reentrant=use_reentrant)
-    backend = _Recorder()
+    backend = Recorder()
     # fullgraph: the marking layer must not break the graph anywhere.
     _train_and_compare(reference, model, torch.compile(model, backend=backend, fullgraph=True))
     assert len(backend.graphs) == 1, "the second step recompiled"
@@ -82,7 +60,7 @@ def test_wrap_model_on_blocks_compiled_one_by_one():
     torch.manual_seed(0)
     reference = GPT(_CONFIG)
     model = copy.deepcopy(reference)
-    backend = _Recorder()
+    backend = Recorder()
     for block in model.blocks:
         block.compile(backend=backend, fullgraph=True)
     names = [name for name, _ in model.named_parameters()]
@@ -114,7 +92,7 @@ def test_compiled_model_with_marked_blocks_trains_like_eager(mark):
     model = copy.deepcopy(reference)
     for index, block in enumerate(model.blocks):
         model.blocks[index] = mark(block)
-    backend = _Recorder()
+    backend = Recorder()
     _train_and_compare(reference, model, torch.compile(model, backend=backend, fullgraph=True))
     assert backend.checkpoints() == _CONFIG.layers
 
@@ -134,7 +112,7 @@ def test_compiled_selective_tier_trains_like_eager():
     torch.manual_seed(0)
     reference = GPT(_CONFIG)
     model = ckptwrap.wrap_model(copy.deepcopy(reference), "blocks;selective")
-    backend = _Recorder()
+    backend = Recorder()
     _train_and_compare(reference, model, torch.compile(model, backend=backend, fullgraph=True))
     assert backend.checkpoints() == len(model.ckptwrap_plan) > 0
 
@@ -171,7 +149,7 @@ def test_a_budget_planned_with_example_inputs_compiles_without_breaks():
     reference = GPT(_CONFIG)
     tokens, targets = synthetic_batch(_CONFIG, 2, seed=0)
     model = ckptwrap.wrap_model(copy.deepcopy(reference), "budget:95%", example_inputs=(tokens, targets))
-    backend = _Recorder()
+    backend = Recorder()
     _train_and_compare(reference, model, torch.compile(model, backend=backend, fullgraph=True))
     assert backend.checkpoints() == len(model.ckptwrap_plan) > 0
 

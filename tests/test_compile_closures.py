@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import ckptwrap
+from _compiling import Recorder, fresh_compiler  # noqa: F401 (an autouse fixture)
 
 
 class _Base(nn.Module):
@@ -83,28 +84,6 @@ class _Stack(nn.Module):
         return self.head(x).sum()
 
 
-class _Recorder:
-    """A backend that keeps the graphs it is given and compiles them with ``aot_eager``."""
-
-    def __init__(self) -> None:
-        self.graphs: List[torch.fx.GraphModule] = []
-
-    def __call__(self, graph: torch.fx.GraphModule, example_inputs: Any) -> Any:
-        self.graphs.append(graph)
-        return torch._dynamo.lookup_backend("aot_eager")(graph, example_inputs)
-
-    def checkpoints(self) -> int:
-        checkpoint_op = torch.ops.higher_order.tag_activation_checkpoint
-        return sum(node.target is checkpoint_op for g in self.graphs for node in g.graph.nodes)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_compiler():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 @pytest.mark.parametrize("make", [_calling_base, _calling_super, _closing_over_values],
                          ids=["closure-over-base", "super", "closure-over-values"])
 @pytest.mark.parametrize("decorate", [ckptwrap.checkpointed, ckptwrap.checkpointed(use_reentrant=True)],
@@ -127,7 +106,7 @@ def test_a_decorated_forward_with_a_closure_compiles_and_trains_like_the_plain_m
     model.zero_grad(set_to_none=True)
     reference.zero_grad(set_to_none=True)
 
-    backend = _Recorder()
+    backend = Recorder()
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     for step in range(2):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))

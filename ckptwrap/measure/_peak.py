@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._errors import CheckpointConfigError
 from ._storages import tensors
-from ._workspace import Reading, may_hold, run_held
+from ._workspace import end_reading, may_hold, run_held, start_reading
 
 __all__ = ["PeakMemory", "StorageCounter", "measure_peak", "outputs_of"]
 
@@ -211,11 +211,11 @@ class StorageCounter(TorchDispatchMode):
         self._closed = False
         self.peak_bytes = 0
         self.ops = 0
-        # The reading in progress (see ``open_reading``): its thread, the bytes of the
-        # storages counted while it is open (in its events too), and those of the ones
-        # freed on its thread while it is open that were counted during a reading (the
-        # allocator reports their free among its events).
-        self._reading: Optional[Reading] = None
+        # The reading in progress (see ``open_reading``): its thread (None: no reading),
+        # the bytes alive as it opened, the bytes of the storages counted while it is
+        # open (in its events too), and those of the ones freed on its thread while it is
+        # open that were counted during a reading (the allocator reports their free among
+        # its events).
         self._reading_thread: Optional[int] = None
         self._reading_start = 0
         self._counted_in_reading = 0
@@ -319,24 +319,23 @@ class StorageCounter(TorchDispatchMode):
     @property
     def reading(self) -> bool:
         """Whether a reading of this counter's is open."""
-        return self._reading is not None
+        return self._reading_thread is not None
 
     def open_reading(self) -> bool:
         """Read the allocator's events on this thread from now until :meth:`close_reading`
         (on the CPU, where no profiler records on this thread); False where none can be
         taken: the code is then counted by the storages it is handed alone."""
-        if self._closed or self._device_type != "cpu" or self._reading is not None:
+        if self._closed or self._device_type != "cpu" or self._reading_thread is not None:
             return False
-        reading = Reading()
         start = self.live_bytes
         with self._lock:
             self._reading_thread = threading.get_ident()
+            self._reading_start = start
             self._counted_in_reading = 0
             self._reported_frees.clear()
-        if not reading.open():
+        if not start_reading():
             self._reading_thread = None
             return False
-        self._reading, self._reading_start = reading, start
         return True
 
     def close_reading(self, held: int = 0) -> None:
@@ -344,10 +343,9 @@ class StorageCounter(TorchDispatchMode):
         the bytes alive when it opened, and what it saw allocated that outlives it in no
         storage counted taken into ``unattributed`` (see the class). ``held``: bytes among
         its events that the caller follows (:meth:`hold`), or knows freed after it."""
-        reading, self._reading = self._reading, None
-        if reading is None:
+        if self._reading_thread is None:
             return
-        net, high = reading.close()
+        net, high = end_reading()
         with self._lock:
             self._reading_thread = None
             while self._freed:
@@ -368,7 +366,6 @@ class StorageCounter(TorchDispatchMode):
         """Forget a reading that the code it read left open (it raised, and autograd's
         engine dropped the profiler with the node's thread-local state): nothing of it is
         read, and nothing is disabled (a profiler on the thread now is another's)."""
-        self._reading = None
         self._reading_thread = None
 
     def _peak_at(self, nbytes: int) -> None:

@@ -72,8 +72,6 @@ _HANDED = 4  # counted by what it receives and returns alone
 class _Running(NamedTuple):
     index: int
     how: int
-    start: int
-    """Bytes alive as it began."""
     inside: Optional["_InsideNode"]
 
 
@@ -193,14 +191,13 @@ class StepSpan:
             if not _on_stack(counter):
                 _push(counter)
             counter.adopt([grad for grad in grad_outputs if isinstance(grad, torch.Tensor)])
-            self._nodes.append(_Running(index, _UNDER_MODES, 0, None))
+            self._nodes.append(_Running(index, _UNDER_MODES, None))
             return None
         if counter.reading and not _torch_private.profiler_enabled():
             # A node that opened it raised, and the engine dropped it with its state.
             counter.drop_reading()
             self._nodes.clear()
         self._gradients.received(index, grad_outputs)
-        start = counter.live_bytes
         if counter.reading:
             how, inside = _IN_READING, None
         elif counter.open_reading():
@@ -209,7 +206,7 @@ class StepSpan:
             how, inside = _INSIDE, _InsideNode(counter)
         else:
             how, inside = _HANDED, None
-        self._nodes.append(_Running(index, how, start, inside))
+        self._nodes.append(_Running(index, how, inside))
         if inside is not None:
             _push(inside)
         return None

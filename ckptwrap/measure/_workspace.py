@@ -19,7 +19,7 @@ its backward at most 1.55 times the bytes of input, output (or output gradient) 
 weight; rounded up to 1 and 1.6.
 
 The same events read a stretch of code that runs where no dispatch mode may be (a node
-of a backward, see ``_span``): :class:`Reading`.
+of a backward, see ``_span``): :func:`start_reading`, :func:`end_reading`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch
 
 from .. import _torch_private
 
-__all__ = ["Reading", "may_hold", "run_held"]
+__all__ = ["end_reading", "may_hold", "run_held", "start_reading"]
 
 _aten = torch.ops.aten
 _BOUND = {"convolution": 1.0, "convolution_backward": 1.6}
@@ -179,63 +179,55 @@ def _aside(profiler: Any, func: Any, args: Any, kwargs: Dict[str, Any]) -> Optio
 
 
 def _reading(profiler: Any, func: Any, args: Any, kwargs: Dict[str, Any]) -> Tuple[Any, Optional[int]]:
-    reading = Reading()
-    if not reading.open():
+    if not start_reading():
         return func(*args, **kwargs), None
     try:
         out = func(*args, **kwargs)
     finally:
-        live, held = reading.close()
+        live, held = end_reading()
     # What it kept beyond its outputs (oneDNN's reordered weights, cached for the next
     # call of the same shape) is not held by later calls.
     made = sum(t.untyped_storage().nbytes() for t in (out if isinstance(out, tuple) else (out,)) if isinstance(t, torch.Tensor))
     return out, held - max(0, live - made)
 
 
-class Reading:
-    """The CPU allocator's events on the calling thread from :meth:`open` to :meth:`close`:
-    what the code between them allocated and freed, in order, read with torch's legacy
-    autograd profiler (no profiler library, no output, no other thread). It allocates no
-    tensor memory and changes no operator's path, so code read this way runs as unread.
+def start_reading() -> bool:
+    """Start reading the CPU allocator's events on the calling thread, until
+    :func:`end_reading`: what the code between them allocates and frees, in order, read
+    with torch's legacy autograd profiler (no profiler library, no output, no other
+    thread). It allocates no tensor memory and changes no operator's path, so code read
+    this way runs as unread. False where no reading can be taken: a profiler records on
+    this thread already (the caller's, or one not ended), or this torch lacks the legacy
+    profiler.
 
     The allocator reports a free only of a block it saw allocated while some reading was
     open on the thread: what was allocated before (or between readings) and is freed
     during one is not among the events.
     """
+    profiler = _torch_private.legacy_memory_profiler
+    if profiler is None or _torch_private.profiler_enabled():
+        return False
+    try:
+        profiler[0](_config(profiler))
+    except RuntimeError:
+        return False
+    return True
 
-    __slots__ = ("thread",)
 
-    def __init__(self) -> None:
-        self.thread: Optional[int] = None
-
-    def open(self) -> bool:
-        """Start reading; False where no reading can be taken: a profiler records on this
-        thread already (the caller's, or one not closed), or this torch lacks the legacy
-        profiler."""
-        profiler = _torch_private.legacy_memory_profiler
-        if profiler is None or _torch_private.profiler_enabled():
-            return False
-        try:
-            profiler[0](_config(profiler))
-        except RuntimeError:
-            return False
-        self.thread = threading.get_ident()
-        return True
-
-    def close(self) -> Tuple[int, int]:
-        """Stop reading: the bytes allocated less those freed (``net``), and the highest
-        that running sum reached (``high``, at least 0), above where it began."""
-        self.thread = None
-        profiler = _torch_private.legacy_memory_profiler
-        assert profiler is not None
-        live = high = 0
-        for thread in profiler[1]():
-            for event in thread:
-                if event.kind() == "memory_alloc":
-                    live += event.cpu_memory_usage()
-                    if live > high:
-                        high = live
-        return live, high
+def end_reading() -> Tuple[int, int]:
+    """End the reading :func:`start_reading` started: the bytes allocated less those freed
+    (``net``), and the highest that running sum reached (``high``, at least 0), above
+    where it began."""
+    profiler = _torch_private.legacy_memory_profiler
+    assert profiler is not None
+    live = high = 0
+    for thread in profiler[1]():
+        for event in thread:
+            if event.kind() == "memory_alloc":
+                live += event.cpu_memory_usage()
+                if live > high:
+                    high = live
+    return live, high
 
 
 _CONFIG: List[Any] = []

@@ -7,7 +7,7 @@ and the terms of the profile's measured step. Times are the profile's prices
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Sequence, Tuple
 
 from ._cost_model import CostItem
 from ._levels import Level, pooled_levels
@@ -18,9 +18,7 @@ from ._timing import RecomputePrices
 __all__ = ["cost_item", "forward_items", "forward_levels", "saving", "with_step_terms"]
 
 
-def cost_item(
-    cost: Any, *, segments: bool = False, region_bytes: int = 0, time: Optional[float] = None
-) -> CostItem:
+def cost_item(cost: Any, *, time: float, segments: bool = False, region_bytes: int = 0) -> CostItem:
     """The solver's view of one measured module.
 
     A checkpoint keeps the module's inputs; the part of them the module saves itself is
@@ -37,13 +35,10 @@ def cost_item(
     A module called several times keeps (and its checkpoint holds) the sum over its
     calls, while one recomputation rebuilds one call's share, and one backward holds it.
 
-    ``time``: the seconds its recomputation is priced at (see ``RecomputePrices``); by
-    default its measured ones.
+    ``time``: the seconds its recomputation is priced at (see ``RecomputePrices``).
     """
     calls = max(1, int(cost.calls))
     extra_inputs = max(0, int(cost.input_bytes) - int(cost.self_saved_input_bytes))
-    if time is None:
-        time = cost.forward_time if cost.recompute_time is None else cost.recompute_time
     handed_over = int(cost.handed_over_bytes)
     call_kept = max(0, int(cost.call_kept_bytes or cost.kept_bytes) - handed_over // calls)
     return CostItem(
@@ -112,14 +107,11 @@ def forward_levels(
             costs[i], segments=segments and follows, region_bytes=region_bytes, time=prices.time(costs[i].name)
         )
         pairs.append((costs[i], item))
-    if levels:
-        found = pooled_levels(
-            pairs,
-            op_times=[prices.op_times(cost.name) for cost, _ in pairs],
-            overheads=[prices.selective(cost.name) for cost, _ in pairs],
-        )
-    else:
-        found = [()] * len(pairs)
+    found = pooled_levels(
+        pairs,
+        op_times=[prices.op_times(cost.name) for cost, _ in pairs],
+        overheads=[prices.selective(cost.name) for cost, _ in pairs],
+    ) if levels else [()] * len(pairs)
     found = [ours if cost.calls <= 1 else () for (cost, _), ours in zip(pairs, found)]
     return [
         (names[i], dataclasses.replace(item, options=tuple(level.option for level in ours)), ours)

@@ -117,44 +117,27 @@ def selective_levels(
 def pooled_levels(
     pairs: Sequence[Tuple[Any, CostItem]],
     *,
-    op_times: Optional[Sequence[Sequence[float]]] = None,
-    overheads: Optional[Sequence[float]] = None,
+    op_times: Sequence[Sequence[float]],
+    overheads: Sequence[float],
 ) -> List[Tuple[Level, ...]]:
-    """:func:`selective_levels` of each ``(cost, item)``, where candidates alike in all
-    but time share their operators' times, their recompute time and their selective
-    overhead (the medians).
-
-    ``op_times`` (per candidate, per operator) and ``overheads`` (per candidate, one pass
-    of the selective mode): the seconds to weigh instead of those in the costs, as the
-    planner prices them (``RecomputePrices``); alike candidates are priced alike, so
-    their levels are the same by construction. The medians still keep measured times
-    from telling alike candidates apart: repeated blocks run the same operators on data
-    of the same size, and their measured times differ by noise only. Left as they are,
-    that noise would reorder the operators of each block and give each different levels,
-    which the solver could no longer weigh as one (see ``pooled_times``).
+    """:func:`selective_levels` of each ``(cost, item)``, weighing ``op_times`` (per
+    candidate, per operator) and ``overheads`` (per candidate, one pass of the selective
+    mode) as the planner prices them (``RecomputePrices``); candidates alike in all but
+    time share one set of levels, from the medians of their prices (alike candidates are
+    priced alike but for the operators a call runs beyond those recorded), so the solver
+    can weigh them as one (see ``pooled_times``).
     """
     groups: Dict[Any, List[int]] = {}
     for index, (cost, item) in enumerate(pairs):
         groups.setdefault(_alike(cost, item), []).append(index)
-
-    def times_of(i: int, count: int) -> List[float]:
-        given = op_times[i] if op_times is not None else [op.time for op in pairs[i][0].ops]
-        return list(given[:count])
-
-    def overhead_of(i: int) -> float:
-        if overheads is not None:
-            return float(overheads[i])
-        return float(getattr(pairs[i][0], "selective_overhead", 0.0) or 0.0)
-
     result: List[Tuple[Level, ...]] = [()] * len(pairs)
     for members in groups.values():
         first = pairs[members[0]][0]
         count = len(getattr(first, "ops", ()) or ())
-        rows = [times_of(i, count) for i in members]
-        times = [statistics.median(row[k] for row in rows) for k in range(count)]
+        times = [statistics.median(op_times[i][k] for i in members) for k in range(count)]
         typical = statistics.median(pairs[i][1].time for i in members)
         item = dataclasses.replace(pairs[members[0]][1], time=typical)
-        overhead = statistics.median(overhead_of(i) for i in members)
+        overhead = statistics.median(overheads[i] for i in members)
         levels = selective_levels(first, item, op_times=times, overhead=overhead)
         for i in members:
             result[i] = levels

@@ -223,13 +223,12 @@ class _KeepStats:
         self.owner = owner
         self.call = call
         self._changed: Optional[List[_Buffer]] = None
-        self._reassigned: List[Tuple[torch.nn.Module, str, Any]] = []
+        self._reassigned: List[_Attribute] = []
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         owners = self.owner if isinstance(self.owner, tuple) else (self.owner,)
         if self._changed is None:  # the first run: the forward (or inside an enclosing recomputation)
-            before = _buffers_before(owners)
-            attributes = _attributes_before(owners)
+            before, attributes = _state_before(owners)
             out = self._run(owners, args, kwargs)
             self._changed = [entry for entry in before if entry.tensor._version != entry.version]
             self._reassigned = [
@@ -266,13 +265,29 @@ def _label(where: Tuple[torch.nn.Module, str, torch.nn.Module, str]) -> str:
     return f"{(prefix + '.' + name) if prefix else name!r} of {type(owner).__name__} ({type(sub).__name__})"
 
 
-def _buffers_before(modules: Tuple[torch.nn.Module, ...]) -> List[_Buffer]:
-    """Every buffer of these modules but running statistics (kept by
-    ``_statistics_restored``), copied where small."""
+_GONE = object()
+"""An attribute's value where the module no longer has it."""
+
+_Attribute = Tuple[torch.nn.Module, str, Any]
+"""(module, attribute's name, its value)."""
+
+
+def _state_before(modules: Tuple[torch.nn.Module, ...]) -> Tuple[List[_Buffer], List[_Attribute]]:
+    """What a forward of these modules may change, in one walk over their submodules:
+    every buffer but running statistics (kept by ``_statistics_restored``), copied where
+    small; and every public plain attribute that holds a tensor or None (state the
+    forward may assign anew)."""
     found: List[_Buffer] = []
-    seen = set()
+    attributes: List[_Attribute] = []
+    seen, walked = set(), set()
     for module in modules:
         for prefix, sub in module.named_modules():
+            if id(sub) not in walked:
+                walked.add(id(sub))
+                attributes.extend(
+                    (sub, name, value) for name, value in sub.__dict__.items()
+                    if not name.startswith("_") and (value is None or isinstance(value, torch.Tensor))
+                )
             statistics = isinstance(sub, _torch_private.norm_classes)
             for name, buffer in sub._buffers.items():
                 if buffer is None or id(buffer) in seen or (statistics and name in _STAT_NAMES):
@@ -284,39 +299,18 @@ def _buffers_before(modules: Tuple[torch.nn.Module, ...]) -> List[_Buffer]:
                     continue
                 found.append(_Buffer((module, prefix, sub, name), buffer, version, None))
     if not found:
-        return found
+        return found, attributes
     # Outside any dispatch mode of the forward (selective checkpointing's, a meter's).
     with _torch_private.disable_current_modes(), torch.no_grad():
         return [
             entry._replace(copy=entry.tensor.detach().clone())
             if entry.tensor.numel() * entry.tensor.element_size() <= _COPIED_BYTES else entry
             for entry in found
-        ]
-
-
-_GONE = object()
-"""An attribute's value where the module no longer has it."""
-
-
-def _attributes_before(modules: Tuple[torch.nn.Module, ...]) -> List[Tuple[torch.nn.Module, str, Any]]:
-    """(module, name, value) of every public plain attribute of these modules and their
-    submodules that holds a tensor or None: the state a forward may assign anew."""
-    found = []
-    seen = set()
-    for module in modules:
-        for sub in module.modules():
-            if id(sub) in seen:
-                continue
-            seen.add(id(sub))
-            found.extend(
-                (sub, name, value) for name, value in sub.__dict__.items()
-                if not name.startswith("_") and (value is None or isinstance(value, torch.Tensor))
-            )
-    return found
+        ], attributes
 
 
 @contextlib.contextmanager
-def _attributes_replayed(reassigned: List[Tuple[torch.nn.Module, str, Any]]) -> Iterator[None]:
+def _attributes_replayed(reassigned: List[_Attribute]) -> Iterator[None]:
     """Attributes the forward assigned anew, as the forward found them while a
     recomputation runs; as they are now once it ends."""
     if not reassigned:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import inspect
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Set, Tuple
+from typing import Any, Dict, Set, Tuple
 
 import pytest
 import torch
@@ -32,45 +32,13 @@ from ckptwrap.policy import find_blocks
 from ckptwrap.policy._library_units import library_units, unfollowed_calls
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _allocator import allocator_peak  # noqa: E402
+from _watch import recording  # noqa: E402
 
 SLACK = 0.02
 """A step's peak under ``blocks`` may pass the library's own by this share of the plain
 peak (what the allocator holds besides, as in the library tests beside this one)."""
-
-
-def _recording(model: nn.Module) -> Tuple[Set[str], Callable[..., Any], Callable[[], None]]:
-    """A set that fills, during a forward, with the modules each call of the checkpoint
-    function returned runs first (all of them where calls nest), that function, and
-    what removes the hooks that watch."""
-    names = {id(module): name for name, module in model.named_modules()}
-    running: List[nn.Module] = []
-    depths: List[int] = []
-    units: Set[str] = set()
-
-    def enter(module: nn.Module, args: Any) -> None:
-        if depths and len(running) == depths[-1]:
-            units.add(names[id(module)])
-        running.append(module)
-
-    def leave(module: nn.Module, args: Any, output: Any) -> None:
-        running.pop()
-
-    def record(function: Any, *args: Any, use_reentrant: Any = None, **kwargs: Any) -> Any:
-        depths.append(len(running))
-        try:
-            return function(*args, **kwargs)
-        finally:
-            depths.pop()
-
-    handles = [m.register_forward_pre_hook(enter) for m in model.modules()]
-    handles += [m.register_forward_hook(leave) for m in model.modules()]
-
-    def remove() -> None:
-        for handle in handles:
-            handle.remove()
-
-    return units, record, remove
 
 
 # ----------------------------------------------------------------------- the parser
@@ -141,7 +109,7 @@ class _Paths(nn.Module):
 
 
 def _watched(model: nn.Module, x: torch.Tensor) -> Set[str]:
-    units, record, remove = _recording(model)
+    units, record, remove = recording(model)
     this = sys.modules[__name__]
     original = this.checkpoint
     this.checkpoint = record  # type: ignore[attr-defined]
@@ -206,7 +174,7 @@ def _diffusers_units(model: nn.Module, batch: Dict[str, Any]) -> Set[str]:
     forward: switched on as ``enable_gradient_checkpointing`` does, on every module that
     carries its flag (also in a model that refuses the switch, such as UNet3D, whose
     transformers checkpoint their own blocks)."""
-    units, record, remove = _recording(model)
+    units, record, remove = recording(model)
     flagged = [module for module in model.modules() if hasattr(module, "gradient_checkpointing")]
     if getattr(model, "_supports_gradient_checkpointing", False):
         model.enable_gradient_checkpointing(gradient_checkpointing_func=record)
@@ -348,7 +316,7 @@ def test_zamba2_blocks_are_every_region_transformers_checkpoints():
     arch = ARCHITECTURES["zamba2"]
     batch = arch.batch(2, arch.lengths[0], 0, False)
     model = arch.build()
-    units, record, remove = _recording(model)
+    units, record, remove = recording(model)
     model.gradient_checkpointing_enable()
     for module in model.modules():
         if getattr(module, "gradient_checkpointing", None) is True:

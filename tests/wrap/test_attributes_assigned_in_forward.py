@@ -98,7 +98,8 @@ def test_a_chunked_causal_convolution_trains_as_the_plain_model(policy):
 
 def test_without_the_replay_the_gradients_differ(monkeypatch):
     # Every chunk the same size: the recomputation pads with the wrong frames silently.
-    monkeypatch.setattr(_region, "_attributes_before", lambda modules: [])
+    state_before = _region._state_before
+    monkeypatch.setattr(_region, "_state_before", lambda modules: (state_before(modules)[0], []))
     torch.manual_seed(0)
     plain = ChunkedEncoder()
     ours = ckptwrap.wrap_model(copy.deepcopy(plain), "blocks")
