@@ -5,7 +5,7 @@ decides what to do with them. See :func:`parse_policy` for the string form.
 """
 
 from ._base import Complement, Intersection, Policy, Union
-from ._blocks import find_blocks
+from ._blocks import find_blocks, library_nests
 from ._library_units import code_units
 from ._grammar import as_policy, parse_policy
 from ._modifiers import DEFAULT_SELECTIVE_OPS, Budget, Offload, Overlap, Selective, overlaps, split_modifiers
@@ -49,6 +49,7 @@ __all__ = [
     "as_policy",
     "code_units",
     "find_blocks",
+    "library_nests",
     "overlaps",
     "parse_policy",
     "draws_random",

@@ -16,7 +16,7 @@ from .._errors import CheckpointConfigError
 from .._hf import hf_layer_class
 from ._library_units import decides, library_units
 
-__all__ = ["find_blocks"]
+__all__ = ["find_blocks", "library_nests"]
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential)
 
@@ -51,13 +51,12 @@ def find_blocks(model: nn.Module) -> List[str]:
     repeated or not, and where they nest (Swin's stages hold its layers) the innermost
     are kept, since checkpointing only the outer ones would hold a whole stage's
     activations at once during its recomputation; unless the inner ones hold less than
-    60% of the outer one's parameters: then both are blocks, nested as the library
-    nests them (Zamba2's hybrid layers and the Mamba layers inside them; a diffusers mid
-    block, checkpointed whole with one of its resnets inside), so that a plan keeps
-    the outer one and lists the inner ones as inside it, and ``nested=True`` checkpoints
-    both as the library does. A repeated block that holds declared layers gives way to
-    them, and one inside a kept declared layer is part of it. transformers is never
-    imported here: the class is looked up only if the model's library has loaded it.
+    60% of the outer one's parameters: then both are blocks (Zamba2's hybrid layers and
+    the Mamba layers inside them), so that a plan keeps the outer one and lists the
+    inner ones as inside it, and ``nested=True`` checkpoints both as transformers does.
+    A repeated block that holds declared layers gives way to them, and one inside a kept
+    declared layer is part of it. transformers is never imported here: the class is
+    looked up only if the model's library has loaded it.
     Modules of other libraries that checkpoint parts of themselves (diffusers, timm: a
     ``gradient_checkpointing`` or ``grad_checkpointing`` flag) declare the units their
     forwards hand to a checkpoint function, read from their source, each call's module
@@ -66,7 +65,13 @@ def find_blocks(model: nn.Module) -> List[str]:
     inside a module whose library decides what it checkpoints, nothing else that repeats
     is taken (a flag on a module that checkpoints nothing itself decides nothing:
     UNet3D's resnets and temporal layers around its checkpointed transformers are
-    blocks).
+    blocks). Where such a library checkpoints units inside others (a diffusers video
+    autoencoder's resnets inside its down and up blocks), both are blocks, and a plan
+    of fixed modules nests them as the library does (:func:`library_nests`): neither
+    the outer nor the inner units alone reach the library's peak on every model (the
+    outer ones alone hold a whole block during its recomputation, the inner ones alone
+    keep what lies between them, such as an up-sampling convolution's input at twice
+    the resolution).
 
     A model whose only repetition is of modules without submodules (a plain
     ``nn.Sequential`` MLP) has no blocks in that sense; there the members of the class
@@ -104,15 +109,16 @@ def _detect_blocks(named: NamedModules) -> Tuple[str, ...]:
         if isinstance(module, _CONTAINERS)
         for group in _groups_in(name, module, position)
     ]
-    declared = _declared_layers(named)
+    from_source = library_units(named)
+    from_class = _transformers_layers(named)
+    declared = from_source | from_class
     holding_declared = {ancestor for name in declared for ancestor in _ancestors(name)}
     # Where transformers' layers nest (Swin's stages hold its layers), transformers nests
     # their checkpoints. A recomputed region holds all its activations at once, so the
     # outer layers alone would keep a whole stage's; the inner ones bound the peak as the
     # nested checkpoints do, with one recomputation instead of two, where they hold most
-    # of the outer one. Elsewhere both stay, nested as the library nests them
-    # (_nesting_resolved).
-    kept = _nesting_resolved(declared, modules)
+    # of the outer one. Elsewhere both stay (_nesting_resolved).
+    kept = _nesting_resolved(from_class, modules) | from_source
     # A module whose library decides what it checkpoints (its forward checkpoints, or
     # a switch sets its parts' flags: timm's set_grad_checkpointing, a diffusers model
     # that supports it) and that holds declared units decides for all it holds: what
@@ -160,31 +166,40 @@ def _groups_in(name: str, container: nn.Module, position: Dict[str, int]) -> Lis
     ]
 
 
-def _declared_layers(named: NamedModules) -> Set[str]:
-    """Non-root modules that a library's own gradient checkpointing would checkpoint:
-    transformers' layers, and the units the forwards of diffusers', timm's and other
-    flagged modules hand to a checkpoint function (``_library_units``)."""
+def _transformers_layers(named: NamedModules) -> Set[str]:
+    """Non-root modules that transformers' own gradient checkpointing would checkpoint."""
     layer_class = hf_layer_class()
-    declared = library_units(named)
-    if layer_class is not None:
-        declared.update(name for name, module in named if name and isinstance(module, layer_class))
-    return declared
+    if layer_class is None:
+        return set()
+    return {name for name, module in named if name and isinstance(module, layer_class)}
+
+
+def library_nests(model: nn.Module) -> Dict[str, str]:
+    """The units a model's library hands to a checkpoint function inside another unit
+    it checkpoints (read from its source, see :func:`find_blocks`), each with the
+    innermost such unit that holds it (``{"decoder.up_blocks.0.resnets.1":
+    "decoder.up_blocks.0"}``): a plan of fixed modules that selects both nests them as
+    the library does, ``nested`` or not."""
+    units = library_units(list(model.named_modules()))
+    nests = {}
+    for name in units:
+        holders = [ancestor for ancestor in _ancestors(name) if ancestor in units]
+        if holders:
+            nests[name] = holders[-1]
+    return nests
 
 
 _COVERED = 0.6
-"""Share of a declared unit's parameters that the declared units inside it must hold for
+"""Share of a transformers layer's parameters that the layers inside it must hold for
 those to stand for it."""
 
 
 def _nesting_resolved(declared: Set[str], modules: Dict[str, nn.Module]) -> Set[str]:
-    """Where declared units nest, the inner ones alone if they hold most of the outer
-    one's parameters (Swin's layers in its stages, 75% beside the downsampling;
-    PoolFormer's blocks, 74% to 100%): the outer one is left out. Else both, as the
-    library nests them: a plan keeps the outer one and lists the inner ones as inside
-    it, and ``nested=True`` nests them (a diffusers autoencoder's mid block, whose
-    library checkpoints it whole and, inside, only one of its resnets, 45%: alone, that
-    would leave its attention and first resnet unchecked; Zamba2's hybrid layers and
-    the Mamba layers inside them)."""
+    """Where transformers' layers nest, the inner ones alone if they hold most of the
+    outer one's parameters (Swin's layers in its stages, 75% beside the downsampling):
+    the outer one is left out. Else both, as transformers nests them: a plan keeps the
+    outer one and lists the inner ones as inside it, and ``nested=True`` nests them
+    (Zamba2's hybrid layers and the Mamba layers inside them)."""
     chosen = set(declared)
     for outer in sorted(declared, key=lambda name: name.count(".")):
         if outer not in chosen:

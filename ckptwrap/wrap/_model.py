@@ -96,7 +96,7 @@ def wrap_model(
     intent, rest, budget = resolve_policy(model, policy, nested, options)
     _refuse_stacking(model, intent, budget)
     _refuse_unreadable_device(model, budget, example_inputs, example_kwargs)
-    unmeasured = select(model, intent, rest)
+    unmeasured = select(model, intent, rest, candidates=budget is not None)
     spec = optimizer_spec(model, optimizer)
     with _transformers_off(model, budget is not None or bool(unmeasured.selected)):
         _wrap(

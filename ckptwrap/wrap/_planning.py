@@ -24,6 +24,7 @@ from ..policy import (
     Policy,
     Selective,
     as_policy,
+    library_nests,
     overlaps,
     split_modifiers,
 )
@@ -73,7 +74,10 @@ def plan(
             a module class or tuple of classes, a predicate ``fn(module, name) -> bool``
             or a policy object.
         nested: Keep selected modules that lie inside other selected (or already
-            checkpointed) modules, as nested checkpoints. By default they are left out.
+            checkpointed) modules, as nested checkpoints. By default they are left out,
+            but for units a model's library hands to a checkpoint function inside
+            others it checkpoints (a diffusers autoencoder's resnets inside its blocks):
+            a plan of fixed modules nests those as the library does.
         example_inputs: Positional inputs of one training forward (a tensor or a tuple).
             Given, the candidates' costs are measured on one training step on these
             inputs and the plan carries predicted memory and time; a ``budget:`` policy
@@ -303,7 +307,7 @@ def _select(
 ) -> Tuple[Plan, Optional[Budget]]:
     """The plan before any measurement (a budget's candidates), and the budget term."""
     intent, rest, budget = resolve_policy(model, policy, nested, options)
-    return select(model, intent, rest), budget
+    return select(model, intent, rest, candidates=budget is not None), budget
 
 
 def resolve_policy(
@@ -334,10 +338,12 @@ def resolve_policy(
     return intent, rest, budget
 
 
-def select(model: nn.Module, intent: Plan, rest: Policy) -> Plan:
+def select(model: nn.Module, intent: Plan, rest: Policy, *, candidates: bool = False) -> Plan:
     """``intent`` (see :func:`resolve_policy`) with the modules ``rest`` selects in
-    ``model``, less those already checkpointed or, unless nested, inside or around one;
-    each left out is in ``dropped``, with why.
+    ``model``, less those already checkpointed or, unless nested, inside or around one
+    (but for units a library checkpoints inside another selected unit, which are nested
+    as it nests them, unless these are a budget's ``candidates``); each left out is in
+    ``dropped``, with why.
 
     Raises:
         CheckpointConfigError: A term matches nothing, or a selected module is already
@@ -355,6 +361,9 @@ def select(model: nn.Module, intent: Plan, rest: Policy) -> Plan:
     selected: List[PlanEntry] = []
     dropped: List[Tuple[str, str]] = [] if names else _picked_nothing(model, rest)
     left_to_code: List[str] = []  # selected, but the model's own code checkpoints it, in or around it
+    # Units a library checkpoints inside others it checkpoints stay nested as it nests
+    # them; a budget chooses among candidates that do not nest.
+    library_nested = library_nests(model) if not nested and not candidates else {}
     for name in _callable_modules(names, modules, dropped):
         module = modules[name]
         if name in by_code:
@@ -374,7 +383,7 @@ def select(model: nn.Module, intent: Plan, rest: Policy) -> Plan:
             continue
         if not nested:
             ancestor = _enclosing(name, [e.name for e in selected] + existing)
-            if ancestor is not None:
+            if ancestor is not None and library_nested.get(name) not in [e.name for e in selected]:
                 dropped.append((name, f"inside checkpointed {ancestor} (pass nested=True to nest)"))
                 if ancestor in by_code:
                     left_to_code.append(name)

@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import ckptwrap
-from ckptwrap.policy import find_blocks
+from ckptwrap.policy import Name, find_blocks, library_nests
 from ckptwrap.policy._library_units import library_units, unfollowed_calls
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -235,20 +235,42 @@ def test_blocks_take_what_diffusers_checkpoints(name):
     recorded = _diffusers_units(model, batch)
     assert library_units(list(model.named_modules())) == recorded
     blocks = set(find_blocks(model))
-    # Each module diffusers checkpoints is a block, or holds blocks that stand for it
-    # (its inner checkpointed units, where they hold most of it).
-    assert all(unit in blocks or any(block.startswith(unit + ".") for block in blocks) for unit in recorded)
+    # Each module diffusers checkpoints is a block.
+    assert recorded <= blocks
     if getattr(type(model), "_supports_gradient_checkpointing", False) and recorded:
         # Where diffusers' model decides what it checkpoints, blocks adds nothing to it.
         assert blocks <= recorded
     if not blocks:
         return
     plan = ckptwrap.plan(model, "blocks")
+    # The plan checkpoints every unit diffusers checkpoints, nested as it nests them (or
+    # the items of one its forward never calls, with the reason).
     dropped = dict(plan.dropped)
-    # What blocks takes that the plan leaves out is listed, with the reason: units the
-    # library nests inside others, which nested=True checkpoints as it does.
     assert blocks <= set(plan.names) | set(dropped)
-    assert all("inside checkpointed" in dropped[unit] for unit in (blocks & recorded) - set(plan.names))
+    assert not any("inside checkpointed" in reason for reason in dropped.values())
+
+
+def test_units_diffusers_nests_are_nested_under_blocks_and_candidates_apart_under_a_budget():
+    tiny = TINY["AutoencoderKLHunyuanVideo"]
+    model = tiny.build()
+    recorded = _diffusers_units(model, tiny.batch())
+    nests = library_nests(model)
+    inner = {unit for unit in recorded if any(unit.startswith(other + ".") for other in recorded)}
+    assert inner and set(nests) == inner
+    assert all(unit.startswith(holder + ".") and holder in recorded for unit, holder in nests.items())
+    # blocks checkpoints both, nested as diffusers nests them; so does nested=True.
+    assert set(ckptwrap.plan(model, "blocks").names) == recorded
+    assert set(ckptwrap.plan(model, "blocks", nested=True).names) == recorded
+    # A budget's candidates do not nest: the inner units are listed as inside the outer.
+    plan = ckptwrap.plan(model, "budget:70%", example_kwargs=tiny.batch())
+    assert plan.names and set(plan.names) <= recorded - inner
+    assert {name for name, reason in plan.dropped if "inside checkpointed" in reason} == inner
+    # Modules the library does not nest in one it checkpoints are left out as before.
+    outer = sorted(set(nests.values()))[0]
+    leaf = next(n for n, m in model.named_modules() if n.startswith(outer + ".") and isinstance(m, nn.Conv3d) and n not in recorded)
+    plan = ckptwrap.plan(model, Name(outer) | Name(leaf))
+    assert list(plan.names) == [outer]
+    assert [name for name, _ in plan.dropped] == [leaf]
 
 
 def test_unet3d_takes_its_resnets_and_temporal_layers_beside_its_transformers():
@@ -281,13 +303,17 @@ def _gradients(model: nn.Module, batch: Dict[str, Any]) -> Dict[str, torch.Tenso
 
 
 _PEAKS = [
-    "AuraFlowTransformer2DModel", "AutoencoderKL", "AutoencoderKLKVAE", "ControlNetModel",
+    "AudioLDM2UNet2DConditionModel", "AuraFlowTransformer2DModel", "AutoencoderKL",
+    "AutoencoderKLCogVideoX", "AutoencoderKLHunyuanVideo", "AutoencoderKLKVAE",
+    "AutoencoderKLLTXVideo", "AutoencoderKLMochi", "ControlNetModel",
     "FluxTransformer2DModel", "PixArtTransformer2DModel", "UNet2DModel", "UNet3DConditionModel",
     "WanVACETransformer3DModel",
 ]
 """Models whose peaks are measured: those that run two block lists in one forward (Flux,
 AuraFlow, WanVACE), attribute chains (KVAE's VAE), a model that refuses diffusers' switch
-(UNet3D), nested units (AutoencoderKL's mid blocks), and a ControlNet, a UNet and a DiT."""
+(UNet3D), nested units (AutoencoderKL's mid blocks; the video autoencoders' and AudioLDM2's
+blocks around their resnets, where neither the outer nor the inner units alone reach the
+library's peak), and a ControlNet, a UNet and a DiT."""
 
 
 @pytest.mark.parametrize("name", _PEAKS)
