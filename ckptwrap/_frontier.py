@@ -30,7 +30,13 @@ from .planner import (
 )
 from .wrap import plan
 
-__all__ = ["Point", "frontier", "pareto_points", "reference_points"]
+__all__ = [
+    "frontier",
+    "frontier_candidates",
+    "pareto_points",
+    "Point",
+    "reference_points",
+]
 
 _FRONTIER_POINTS = 25
 

@@ -40,7 +40,9 @@ __all__ = [
     "pytree_nodes",
     "queue_callback",
     "sac_modes",
+    "saved_tensors_hooks_enabled",
     "tensor_is_view",
+    "top_saved_tensors_hooks",
 ]
 
 
@@ -310,6 +312,27 @@ def _legacy_memory_profiler() -> Optional[Tuple[Callable[..., None], Callable[[]
 
 # The legacy profiler, for reading a CPU operator's own allocations (``measure._workspace``).
 legacy_memory_profiler = _legacy_memory_profiler()
+
+
+def _saved_tensors_hooks_readers() -> Tuple[Callable[[], bool], Callable[[], Any]]:
+    """(enabled, top): whether saved-tensor hooks may run on the calling thread, and the
+    innermost pair in force there (None if none)."""
+    autograd = _import("torch._C._autograd")
+    enabled = getattr(autograd, "_saved_tensors_hooks_is_enabled", None)
+    top = getattr(autograd, "_top_saved_tensors_default_hooks", None)
+    if enabled is None or top is None:
+        missing = "_saved_tensors_hooks_is_enabled" if enabled is None else "_top_saved_tensors_default_hooks"
+        _FELL_BACK.append(f"torch._C._autograd.{missing}")
+        return (lambda: False), (lambda: None)
+    return enabled, (lambda: top(False))
+
+
+# torch 2.0 and later (``_top_saved_tensors_default_hooks``). Fallback: taken as disabled,
+# so the planner's recorder does not follow what the forward saves outside the
+# candidates (a candidate's inputs, saved by the model's own code beside it, are then
+# counted as kept by the model, not the candidate: predictions from the same measured
+# step, a little less tight).
+saved_tensors_hooks_enabled, top_saved_tensors_hooks = _saved_tensors_hooks_readers()
 
 
 class _FakeTensors(NamedTuple):

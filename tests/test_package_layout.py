@@ -107,3 +107,33 @@ def test_the_planner_keeps_the_names_its_users_import():
         "format_bytes", "predicted_peak", "profile_modules", "smallest_reachable_peak", "solve_budget",
     ):
         assert name in planner.__all__ and hasattr(planner, name), name
+
+
+def _is_module(target: str, name: str) -> bool:
+    folder = _ROOT.joinpath(*[p for p in target.split(".") if p])
+    return (folder / f"{name}.py").exists() or (folder / name / "__init__.py").exists()
+
+
+def test_no_module_imports_another_modules_private_names():
+    # A name with a leading underscore is its module's own; what a neighbour uses is
+    # named without one (and listed in that module's __all__). Private modules
+    # (``from .. import _torch_private``) are imported whole.
+    found = []
+    for path in _MODULES:
+        for target, names in _imports(path):
+            private = [n for n in names if n.startswith("_") and not n.startswith("__") and not _is_module(target, n)]
+            found += [f"{path.relative_to(_ROOT)} imports {target}.{name}" for name in private]
+    assert not found, "\n".join(found)
+
+
+def test_what_a_module_gives_its_neighbours_is_in_its_all():
+    found = []
+    for path in _MODULES:
+        for target, names in _imports(path):
+            parts = [p for p in target.split(".") if p]
+            module = _ROOT.joinpath(*parts[:-1], f"{parts[-1]}.py") if parts else None
+            if module is None or not module.exists() or module.stem == "__init__":
+                continue
+            exported = __import__(f"ckptwrap.{'.'.join(parts)}", fromlist=["__all__"]).__all__
+            found += [f"{path.relative_to(_ROOT)} imports {target}.{n}" for n in names if n not in exported]
+    assert not found, "\n".join(found)

@@ -12,7 +12,7 @@ from . import _state
 from ._nonreentrant import run_checkpointed
 from ._reentrant import run_reentrant
 
-__all__ = ["checkpoint", "checkpoint_sequential"]
+__all__ = ["check_options", "checkpoint", "checkpoint_sequential"]
 
 _DETERMINISM_CHECKS = ("default", "none")
 
@@ -80,7 +80,7 @@ def checkpoint(
             f"got {_describe(fn)}. Pass the function first and its inputs after it: "
             f"checkpoint(fn, *args)."
         )
-    _check_options(use_reentrant, preserve_rng_state, context_fn, determinism_check, debug, early_stop)
+    check_options(use_reentrant, preserve_rng_state, context_fn, determinism_check, debug, early_stop)
     if use_reentrant:
         if kwargs:
             names = ", ".join(repr(name) for name in kwargs)
@@ -118,7 +118,7 @@ def checkpoint(
     )
 
 
-def _check_options(
+def check_options(
     use_reentrant: Any,
     preserve_rng_state: Any,
     context_fn: Any,

@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any, Callable, ContextManager, Dict, Optional, Tuple
 
 from .._errors import CheckpointConfigError
-from ._api import _check_options
+from ._api import check_options
 
 __all__ = ["CheckpointOptions", "options_from"]
 
@@ -44,7 +44,7 @@ class CheckpointOptions:
     launches overlap the backward's; holds one region's activations more."""
 
     def __post_init__(self) -> None:
-        _check_options(
+        check_options(
             self.use_reentrant,
             self.preserve_rng_state,
             self.context_fn,

@@ -25,7 +25,7 @@ from .._errors import CheckpointError, input_changed_error, is_version_error
 from . import _device, _state, _tree
 from ._nonreentrant import changed_input, input_versions
 
-__all__ = ["run_reentrant"]
+__all__ = ["graph_nodes", "reaches_reentrant", "run_reentrant"]
 
 _TENSOR = object()  # marks where a tensor goes among the non-tensor leaves of a structure
 

@@ -24,7 +24,14 @@ from .._errors import CheckpointConfigError
 from ._storages import tensors
 from ._workspace import end_reading, may_hold, run_held, start_reading
 
-__all__ = ["PeakMemory", "StorageCounter", "measure_peak", "outputs_of"]
+__all__ = [
+    "allocator_stats",
+    "AllocatorStats",
+    "measure_peak",
+    "outputs_of",
+    "PeakMemory",
+    "StorageCounter",
+]
 
 _MIB = 1024 * 1024
 
@@ -88,7 +95,7 @@ def measure_peak(device: torch.device | str | int | None = None) -> Iterator[Pea
             finally:
                 result.peak_bytes = counter.peak_bytes
         return
-    stats = _allocator_stats(resolved)
+    stats = allocator_stats(resolved)
     stats.reset_peak(resolved)
     at_entry = stats.allocated(resolved)
     try:
@@ -124,7 +131,7 @@ def _resolve_device(device: torch.device | str | int | None) -> torch.device:
 
 
 @dataclasses.dataclass(frozen=True)
-class _AllocatorStats:
+class AllocatorStats:
     """The three allocator calls a device must offer to be measured by its statistics."""
 
     reset_peak: Any
@@ -132,17 +139,17 @@ class _AllocatorStats:
     max_allocated: Any
 
 
-def _allocator_stats(device: torch.device) -> _AllocatorStats:
+def allocator_stats(device: torch.device) -> AllocatorStats:
     """Find the allocator statistics for ``device``, or explain why there are none."""
     if device.type == "cuda":
-        return _AllocatorStats(
+        return AllocatorStats(
             reset_peak=torch.cuda.reset_peak_memory_stats,
             allocated=torch.cuda.memory_allocated,
             max_allocated=torch.cuda.max_memory_allocated,
         )
     accelerator = torch.accelerator.current_accelerator(check_available=True)
     if accelerator is not None and accelerator.type == device.type:
-        return _AllocatorStats(
+        return AllocatorStats(
             reset_peak=torch.accelerator.reset_peak_memory_stats,
             allocated=torch.accelerator.memory_allocated,
             max_allocated=torch.accelerator.max_memory_allocated,
@@ -151,7 +158,7 @@ def _allocator_stats(device: torch.device) -> _AllocatorStats:
     names = ("reset_peak_memory_stats", "memory_allocated", "max_memory_allocated")
     functions = [getattr(module, name, None) for name in names]
     if all(callable(function) for function in functions):
-        return _AllocatorStats(*functions)
+        return AllocatorStats(*functions)
     raise CheckpointConfigError(
         f"measure_peak cannot measure device {str(device)!r}: it keeps no peak memory "
         f"statistics (torch.{device.type} lacks {', '.join(names)}). Supported: 'cpu', "

@@ -55,7 +55,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import _torch_private
 from ..engine import graph_nodes, is_recomputing
-from ._peak import StorageCounter, _AllocatorStats, _allocator_stats
+from ._peak import StorageCounter, AllocatorStats, allocator_stats
 from ._storages import tensors
 from ._workspace import may_hold, run_held
 
@@ -550,7 +550,7 @@ class SpanPeak:
         self.peak_bytes = 0
         self.exact = True
         self.span: Any = None
-        self._stats: _AllocatorStats | None = None
+        self._stats: AllocatorStats | None = None
         self._start = self._max = 0
 
     def start(self) -> "SpanPeak":
@@ -558,7 +558,7 @@ class SpanPeak:
             self.span = StepSpan(StorageCounter(self.device.type, workspaces=True))
             self.span.enter()
             return self
-        self._stats = _allocator_stats(self.device)
+        self._stats = allocator_stats(self.device)
         _synchronize(self.device)
         if self.reset:
             self._stats.reset_peak(self.device)

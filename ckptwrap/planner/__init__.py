@@ -11,7 +11,7 @@ around it: the profiler on given inputs (``profile_modules``), the peak model an
 """
 
 from ._choose import Choice, step_items
-from ._cost_model import CostItem, CostOption, format_bytes, predicted_peak
+from ._peak_model import CostItem, CostOption, format_bytes, predicted_peak
 from ._inputs import InputLayout, as_example, read_layout
 from ._items import forward_items, forward_levels, with_step_terms
 from ._ops import OpCost, packet_name

@@ -20,10 +20,10 @@ from ._module_costs import ModuleCost
 from ._ops import OpCost, OpRecorder, merge_calls
 from ._phases import Window
 from ._progress import ProgressBar
-from ._records import InputLedger, Record, _highest
+from ._records import InputLedger, Record, highest_each
 from ._timing import dispatch_cost, selective_cost
 
-__all__ = ["CallBook"]
+__all__ = ["Call", "CallBook"]
 
 
 @dataclasses.dataclass
@@ -182,7 +182,7 @@ class CallBook:
             self.base.claims.setdefault(storage, claim)
 
     def recomputed(self, record: Record, window: Window) -> None:
-        record.forward_moments = _highest(record.forward_moments, window.moments)
+        record.forward_moments = highest_each(record.forward_moments, window.moments)
         record.forward_peak_bytes = max(record.forward_peak_bytes, window.peak)
         # The meter's own cost per operator taken off: the recomputation as it runs unmetered.
         record.recompute_seconds += max(0.1 * window.seconds, window.seconds - window.ops * dispatch_cost())

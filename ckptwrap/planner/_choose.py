@@ -10,7 +10,7 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 from .._errors import CheckpointConfigError
 from ._device_memory import DeviceMemory
-from ._cost_model import CostItem
+from ._peak_model import CostItem
 from ._items import forward_levels, saving, with_step_terms
 from ._levels import Level
 from ._plan import PlanEntry

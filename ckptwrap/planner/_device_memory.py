@@ -15,7 +15,7 @@ from torch import nn
 from .._errors import CheckpointConfigError
 from .._warn import warn
 from ..measure import tensor_storages, tensors
-from ._cost_model import format_bytes
+from ._peak_model import format_bytes
 from ._optimizer import OptimizerSpec, optimizer_costs
 from ._rates import device_rates
 from ._unreal import outside_fake, unreal

@@ -9,9 +9,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, List, Sequence, Tuple
 
-from ._cost_model import CostItem
+from ._peak_model import CostItem
 from ._levels import Level, pooled_levels
-from ._moments import step_terms
+from ._peak_model import step_terms
 from ._module_costs import ModelProfile
 from ._timing import RecomputePrices
 
@@ -123,7 +123,7 @@ def with_step_terms(
     ordered: Sequence[Tuple[str, CostItem]], profile: ModelProfile
 ) -> Tuple[List[Tuple[str, CostItem]], int]:
     """``ordered`` (the solver's items in forward order) with ``forward``, ``grads`` and
-    ``recompute_grads`` from the profile's measured step (see ``_moments.step_terms``),
+    ``recompute_grads`` from the profile's measured step (see ``_peak_model.step_terms``),
     and the solver's ``tail``.
 
     Without a measured step the items are returned as they are and the tail is 0: the

@@ -13,7 +13,7 @@ import statistics
 from collections import Counter
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ._cost_model import CostItem, CostOption
+from ._peak_model import CostItem, CostOption
 
 __all__ = ["Level", "MAX_LEVELS", "pooled_levels", "selective_levels"]
 

@@ -23,7 +23,7 @@ from torch.utils.flop_counter import flop_registry
 from ..measure import StorageMap, Tally, outputs_of, tensor_storages, tensors
 from ..policy import draws_random
 
-__all__ = ["OpCost", "OpRecorder", "merge_calls", "packet_name"]
+__all__ = ["merge_calls", "op_flops", "OpCost", "OpRecorder", "packet_name"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,12 +6,12 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from ..engine import CheckpointOptions
-from ._cost_model import format_bytes as shown
+from ._peak_model import format_bytes as shown
 
 if TYPE_CHECKING:
     from ._device_memory import DeviceMemory
 
-__all__ = ["Plan", "PlanEntry"]
+__all__ = ["BOUNDS", "Plan", "PlanEntry"]
 
 _MIB = float(1 << 20)
 

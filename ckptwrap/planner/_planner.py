@@ -41,7 +41,7 @@ from ._measuring import LayoutCosts, Layouts, PlanSettings, measuring
 from ._step import region_bytes
 from ._module_costs import ModelProfile
 from ._plan import BOUNDS
-from ._profile import _resolve_targets, measure_inputs
+from ._profile import resolve_targets, measure_inputs
 from ._schedule import CheckSchedule
 from ._timing import dispatch_cost, selective_cost
 from ._unreal import outside_fake, step_device
@@ -312,7 +312,7 @@ class ShapePlanner:
                 settings = self.settings
                 with measuring(), (around() if around is not None else contextlib.nullcontext()):
                     profile = measure_inputs(
-                        model, _resolve_targets(model, settings.names), args, kwargs,
+                        model, resolve_targets(model, settings.names), args, kwargs,
                         loss_fn=settings.loss_fn, save_policy=settings.save_policy,
                         preserve_rng_state=settings.preserve_rng_state, rates=settings.rates,
                         fake=settings.fake,

@@ -30,7 +30,7 @@ from ._recorder import StepRecorder
 from ._timing import RngState
 from ._unreal import measure_unreal, step_device, unreal
 
-__all__ = ["measure_inputs", "profile_modules"]
+__all__ = ["measure_inputs", "profile_modules", "resolve_targets"]
 
 
 def profile_modules(
@@ -121,7 +121,7 @@ def profile_modules(
             f"save_policy must be a callable policy(ctx, op, *args, **kwargs), got "
             f"{type(save_policy).__name__}"
         )
-    targets = _resolve_targets(model, names)
+    targets = resolve_targets(model, names)
     args = (args,) if isinstance(args, torch.Tensor) else tuple(args)
     bar = ProgressBar(
         2 * len(targets), label="profiling", enabled=should_show(progress, len(targets))
@@ -308,7 +308,7 @@ def _leaves(roots: List[torch.Tensor]) -> List[torch.Tensor]:
     return list({id(t): t for t in found if isinstance(t, torch.Tensor)}.values())
 
 
-def _resolve_targets(model: nn.Module, names: Sequence[str]) -> List[Tuple[str, nn.Module]]:
+def resolve_targets(model: nn.Module, names: Sequence[str]) -> List[Tuple[str, nn.Module]]:
     """Check ``names`` against the model and return them, without repeats, in model order."""
     if isinstance(names, str):
         raise CheckpointConfigError(

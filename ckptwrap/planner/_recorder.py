@@ -24,6 +24,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from .. import _torch_private
 from .._warn import note
 from ..engine import is_recomputing, observe_saved, saved_observer
 from ..measure import SavePolicy, policy_watch, tensors
@@ -107,8 +108,8 @@ class StepRecorder:
                 # would hold it from here on (see ``_grown``).
                 self._handles.append(param.register_post_accumulate_grad_hook(self._grad_accumulated))
         self.phases.start()
-        if self._watch_base and torch._C._autograd._saved_tensors_hooks_is_enabled():
-            self._outer_hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if self._watch_base and _torch_private.saved_tensors_hooks_enabled():
+            self._outer_hooks = _torch_private.top_saved_tensors_hooks()
             self._base_hooks = torch.autograd.graph.saved_tensors_hooks(self._base_pack, self._base_unpack)
             self._base_hooks.__enter__()
 

@@ -14,7 +14,7 @@ from torch import nn
 from ..measure import StorageMap, Tally, tensor_storages
 from ._ops import OpCost
 
-__all__ = ["InputLedger", "Record"]
+__all__ = ["highest_each", "InputLedger", "Record"]
 
 _NONE: StorageMap[None] = StorageMap()
 
@@ -120,7 +120,7 @@ class InputLedger:
                 record.base_before_bytes += nbytes
 
 
-def _highest(known: Tuple[int, ...], new: Tuple[int, ...]) -> Tuple[int, ...]:
+def highest_each(known: Tuple[int, ...], new: Tuple[int, ...]) -> Tuple[int, ...]:
     """Two calls' moments as one: the higher of each where they line up, else the moments
     of the call that peaked higher."""
     if not known:

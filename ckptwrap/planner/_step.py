@@ -7,7 +7,7 @@ loss, the output's gradient, the backward of the code after the last candidate),
 per candidate its recomputation and its backward proper. What each phase reached beyond
 the activations the planner accounts for is the same under any plan: gradients flowing
 through, backward temporaries, parameter gradients accumulated so far, and whatever the
-caller keeps alive through the backward (``_moments.step_terms`` takes them out). Each
+caller keeps alive through the backward (``_peak_model.step_terms`` takes them out). Each
 phase keeps its moments too, so that the cost model can follow each of them across input
 shapes rather than only their maximum.
 """

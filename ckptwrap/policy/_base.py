@@ -15,14 +15,24 @@ from typing import Any, Callable, FrozenSet, List, Sequence, Tuple
 from torch import nn
 
 from .._errors import CheckpointConfigError, CheckpointError
-from ._index import _ModelIndex, _NoMatch
+from ._index import ModelIndex, NoMatch
 
-__all__ = ["Complement", "Intersection", "Policy", "Union"]
+__all__ = [
+    "Complement",
+    "install_operand_converter",
+    "Intersection",
+    "Names",
+    "Picker",
+    "Policy",
+    "PolicyNotImplemented",
+    "SetTerm",
+    "Union",
+]
 
 Names = FrozenSet[str]
 
 
-class _PolicyNotImplemented(CheckpointError, NotImplementedError):
+class PolicyNotImplemented(CheckpointError, NotImplementedError):
     """A policy term that is planned but not implemented yet."""
 
 
@@ -59,10 +69,10 @@ class Policy(abc.ABC):
                 matches nothing in it (a ``type:`` or ``name:`` that names no module,
                 ``blocks`` in a model without repeated blocks).
         """
-        index = _ModelIndex(model)
+        index = ModelIndex(model)
         try:
             chosen = self._select(index)
-        except _NoMatch as error:
+        except NoMatch as error:
             # Re-raised as the public class, with the whole policy and the model named.
             raise CheckpointConfigError(
                 f"policy '{self.describe()}' cannot be applied to "
@@ -101,12 +111,12 @@ class Policy(abc.ABC):
         """True for a picker, which picks among candidates; False for a set term."""
         raise NotImplementedError
 
-    def _select(self, index: _ModelIndex) -> Names:
+    def _select(self, index: ModelIndex) -> Names:
         if self._is_picker:
             return self._pick(index.default_candidates(self.describe()))
         return self._members(index)
 
-    def _members(self, index: _ModelIndex) -> Names:
+    def _members(self, index: ModelIndex) -> Names:
         """The modules a set term selects (set terms only)."""
         raise NotImplementedError
 
@@ -115,7 +125,7 @@ class Policy(abc.ABC):
         raise NotImplementedError
 
 
-class _SetTerm(Policy):
+class SetTerm(Policy):
     """A policy that names a set of modules on its own."""
 
     @property
@@ -123,7 +133,7 @@ class _SetTerm(Policy):
         return False
 
 
-class _Picker(Policy):
+class Picker(Policy):
     """A policy that picks among candidates given in model order."""
 
     @property
@@ -161,7 +171,7 @@ class Intersection(Policy):
     def _is_picker(self) -> bool:
         return not self.sets
 
-    def _candidates(self, index: _ModelIndex) -> Tuple[str, ...]:
+    def _candidates(self, index: ModelIndex) -> Tuple[str, ...]:
         if not self.sets:
             return index.default_candidates(self.describe())
         # Every set term is evaluated, even once the intersection is empty, so that a
@@ -169,7 +179,7 @@ class Intersection(Policy):
         selections = [term._members(index) for term in self.sets]
         return index.ordered(frozenset.intersection(*selections))
 
-    def _members(self, index: _ModelIndex) -> Names:
+    def _members(self, index: ModelIndex) -> Names:
         candidates = self._candidates(index)
         return self._pick(candidates) if self.pickers else frozenset(candidates)
 
@@ -203,7 +213,7 @@ class Union(Policy):
     def _is_picker(self) -> bool:
         return all(p._is_picker for p in self.parts)
 
-    def _members(self, index: _ModelIndex) -> Names:
+    def _members(self, index: ModelIndex) -> Names:
         return frozenset().union(*(p._select(index) for p in self.parts))
 
     def _pick(self, candidates: Tuple[str, ...]) -> Names:
@@ -228,7 +238,7 @@ class Complement(Policy):
 
     def describe(self) -> str:
         inner = self.inner.describe()
-        simple = isinstance(self.inner, (_SetTerm, _Picker))
+        simple = isinstance(self.inner, (SetTerm, Picker))
         return f"~{inner}" if simple else f"~({inner})"
 
     def __invert__(self) -> Policy:
@@ -238,7 +248,7 @@ class Complement(Policy):
     def _is_picker(self) -> bool:
         return self.inner._is_picker
 
-    def _members(self, index: _ModelIndex) -> Names:
+    def _members(self, index: ModelIndex) -> Names:
         inner = self.inner
         if isinstance(inner, Intersection) and inner.pickers:
             candidates = inner._candidates(index)
@@ -265,7 +275,7 @@ def _policies_only(other: Any) -> Policy:
 _operand_to_policy: Callable[[Any], Policy] = _policies_only
 
 
-def _install_operand_converter(convert: Callable[[Any], Policy]) -> None:
+def install_operand_converter(convert: Callable[[Any], Policy]) -> None:
     """Make ``convert`` turn the non-Policy operands of ``&`` and ``|`` into policies."""
     global _operand_to_policy
     _operand_to_policy = convert

@@ -16,7 +16,7 @@ from .._errors import CheckpointConfigError
 from .._hf import hf_layer_class
 from ._library_units import decides, library_units
 
-__all__ = ["find_blocks", "library_nests"]
+__all__ = ["detect_blocks", "find_blocks", "library_nests"]
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential)
 
@@ -96,10 +96,10 @@ def find_blocks(model: nn.Module) -> List[str]:
         raise CheckpointConfigError(
             f"find_blocks needs an nn.Module; got {type(model).__name__}"
         )
-    return list(_detect_blocks(list(model.named_modules())))
+    return list(detect_blocks(list(model.named_modules())))
 
 
-def _detect_blocks(named: NamedModules) -> Tuple[str, ...]:
+def detect_blocks(named: NamedModules) -> Tuple[str, ...]:
     """:func:`find_blocks` on the output of ``named_modules()``, root first."""
     modules: Dict[str, nn.Module] = dict(named)
     position = {name: i for i, (name, _) in enumerate(named)}

@@ -13,7 +13,7 @@ from typing import Any, Callable, Dict, Optional
 from torch import nn
 
 from .._errors import CheckpointConfigError
-from ._base import Policy, _install_operand_converter, _PolicyNotImplemented
+from ._base import Policy, install_operand_converter, PolicyNotImplemented
 from ._modifiers import Budget, Offload, Overlap, Recompute, Selective
 from ._numbers import abbreviate, check_fraction, parse_count, parse_decimal
 from ._terms import (
@@ -146,7 +146,7 @@ def parse_policy(spec: str) -> Policy:
         )
     try:
         terms = [_parse_term(text.strip()) for text in spec.split(";")]
-    except _PolicyNotImplemented:
+    except PolicyNotImplemented:
         raise
     except CheckpointConfigError as error:
         raise CheckpointConfigError(f"in policy {abbreviate(repr(spec))}: {error}") from None
@@ -228,4 +228,4 @@ def _suggest(keyword: str) -> str:
 
 
 # The operators of Policy accept every form as_policy does (see _base).
-_install_operand_converter(as_policy)
+install_operand_converter(as_policy)

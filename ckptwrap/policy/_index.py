@@ -12,18 +12,18 @@ from typing import AbstractSet, Dict, List, Tuple
 from torch import nn
 
 from .._errors import CheckpointConfigError
-from ._blocks import _detect_blocks
+from ._blocks import detect_blocks
 
-__all__ = ["_ModelIndex", "_NoMatch"]
+__all__ = ["ModelIndex", "NoMatch"]
 
 _SAMPLE_NAMES = 8
 
 
-class _NoMatch(CheckpointConfigError):
+class NoMatch(CheckpointConfigError):
     """A policy term selects nothing from a model; raised while selecting."""
 
 
-class _ModelIndex:
+class ModelIndex:
     """The non-root modules of a model, in the order of ``named_modules()``.
 
     Attributes:
@@ -46,7 +46,7 @@ class _ModelIndex:
     @functools.cached_property
     def blocks(self) -> Tuple[str, ...]:
         """The repeated blocks (see :func:`find_blocks`); empty if nothing repeats."""
-        return _detect_blocks(self._named)
+        return detect_blocks(self._named)
 
     def ordered(self, names: AbstractSet[str]) -> Tuple[str, ...]:
         """``names`` in model order."""
@@ -56,10 +56,10 @@ class _ModelIndex:
         """The blocks, which a picker term picks from when no set term is given.
 
         Raises:
-            _NoMatch: If the model has no repeated blocks.
+            NoMatch: If the model has no repeated blocks.
         """
         if not self.blocks:
-            raise _NoMatch(
+            raise NoMatch(
                 f"{term} picks among the repeated blocks when no set term is given, "
                 f"but {self.no_blocks_reason()}; add a set term such as 'type:NAME' "
                 f"or 'name:GLOB' to pick from"

@@ -17,7 +17,7 @@ import re
 from typing import Optional, Tuple
 
 from .._errors import CheckpointConfigError
-from ._base import Intersection, Names, Policy, _Picker
+from ._base import Intersection, Names, Policy, Picker
 from ._numbers import MAX_BYTES, abbreviate, parse_decimal
 from ._ops import resolve_ops
 from ._terms import Blocks
@@ -27,6 +27,7 @@ __all__ = [
     "DEFAULT_SELECTIVE_OPS",
     "Offload",
     "Overlap",
+    "overlaps",
     "Recompute",
     "Selective",
     "split_modifiers",
@@ -50,7 +51,7 @@ DEFAULT_SELECTIVE_OPS: Tuple[str, ...] = (
 attention kernel, the costly operators, while cheap elementwise work is recomputed."""
 
 
-class _Modifier(_Picker):
+class _Modifier(Picker):
     """A term that leaves the candidates as they are when a policy selects."""
 
     def _pick(self, candidates: Tuple[str, ...]) -> Names:

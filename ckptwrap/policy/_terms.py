@@ -15,8 +15,8 @@ from typing import Any, Callable, List, Tuple
 from torch import nn
 
 from .._errors import CheckpointConfigError
-from ._base import Names, _Picker, _SetTerm
-from ._index import _ModelIndex, _NoMatch
+from ._base import Names, Picker, SetTerm
+from ._index import ModelIndex, NoMatch
 from ._numbers import check_count, check_fraction
 
 __all__ = [
@@ -38,7 +38,7 @@ __all__ = [
 
 
 @dataclasses.dataclass(frozen=True)
-class Nothing(_SetTerm):
+class Nothing(SetTerm):
     """``none``: selects no module, and nothing when combined with other terms.
 
     The other terms are still checked against the model, so a misspelt type is reported.
@@ -47,20 +47,20 @@ class Nothing(_SetTerm):
     def describe(self) -> str:
         return "none"
 
-    def _members(self, index: _ModelIndex) -> Names:
+    def _members(self, index: ModelIndex) -> Names:
         return frozenset()
 
 
 @dataclasses.dataclass(frozen=True)
-class Blocks(_SetTerm):
+class Blocks(SetTerm):
     """``blocks``: the repeated blocks found by :func:`find_blocks`, such as transformer layers."""
 
     def describe(self) -> str:
         return "blocks"
 
-    def _members(self, index: _ModelIndex) -> Names:
+    def _members(self, index: ModelIndex) -> Names:
         if not index.blocks:
-            raise _NoMatch(
+            raise NoMatch(
                 f"blocks matches nothing: {index.no_blocks_reason()}; select modules "
                 f"with 'type:NAME' or 'name:GLOB' instead"
             )
@@ -68,13 +68,13 @@ class Blocks(_SetTerm):
 
 
 @dataclasses.dataclass(frozen=True)
-class All(_SetTerm):
+class All(SetTerm):
     """``all``: every direct child of the model that holds parameters or submodules."""
 
     def describe(self) -> str:
         return "all"
 
-    def _members(self, index: _ModelIndex) -> Names:
+    def _members(self, index: ModelIndex) -> Names:
         # Qualified names without a dot are the model's direct children.
         chosen = frozenset(
             name
@@ -82,7 +82,7 @@ class All(_SetTerm):
             if "." not in name and _holds_something(module)
         )
         if not chosen:
-            raise _NoMatch(
+            raise NoMatch(
                 f"all matches nothing: no direct child of {type(index.model).__name__} "
                 f"holds parameters or submodules"
             )
@@ -90,7 +90,7 @@ class All(_SetTerm):
 
 
 @dataclasses.dataclass(frozen=True)
-class Type(_SetTerm):
+class Type(SetTerm):
     """``type:NAME[,NAME...]``: modules whose class is named NAME (exactly, not subclasses).
 
     Example:
@@ -119,16 +119,16 @@ class Type(_SetTerm):
     def describe(self) -> str:
         return "type:" + ",".join(self.names)
 
-    def _members(self, index: _ModelIndex) -> Names:
+    def _members(self, index: ModelIndex) -> Names:
         present = {type(module).__name__ for module in index.modules.values()}
         missing = [name for name in self.names if name not in present]
         if missing:
-            raise _NoMatch(self._missing_message(missing, index))
+            raise NoMatch(self._missing_message(missing, index))
         return frozenset(
             name for name, module in index.modules.items() if type(module).__name__ in self.names
         )
 
-    def _missing_message(self, missing: List[str], index: _ModelIndex) -> str:
+    def _missing_message(self, missing: List[str], index: ModelIndex) -> str:
         model_class = type(index.model).__name__
         message = f"{self.describe()} matches no module of class {', '.join(missing)}"
         if model_class in missing:
@@ -140,7 +140,7 @@ class Type(_SetTerm):
 
 
 @dataclasses.dataclass(frozen=True)
-class Name(_SetTerm):
+class Name(SetTerm):
     """``name:GLOB``: modules whose qualified name matches GLOB (``fnmatch``, case-sensitive).
 
     ``*`` also matches dots, so ``encoder.layers.*`` selects the layers and everything
@@ -160,10 +160,10 @@ class Name(_SetTerm):
     def describe(self) -> str:
         return f"name:{self.pattern}"
 
-    def _members(self, index: _ModelIndex) -> Names:
+    def _members(self, index: ModelIndex) -> Names:
         chosen = frozenset(n for n in index.names if fnmatch.fnmatchcase(n, self.pattern))
         if not chosen:
-            raise _NoMatch(
+            raise NoMatch(
                 f"{self.describe()} matches no qualified name; names in "
                 f"{type(index.model).__name__} look like {index.sample_names()}"
             )
@@ -171,7 +171,7 @@ class Name(_SetTerm):
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class Instance(_SetTerm):
+class Instance(SetTerm):
     """Modules that are instances of the given classes (subclasses count).
 
     What a module class or a tuple of classes becomes in :func:`as_policy`; it has no
@@ -201,17 +201,17 @@ class Instance(_SetTerm):
     def describe(self) -> str:
         return f"isinstance({', '.join(c.__name__ for c in self.classes)})"
 
-    def _members(self, index: _ModelIndex) -> Names:
+    def _members(self, index: ModelIndex) -> Names:
         chosen = frozenset(n for n, m in index.modules.items() if isinstance(m, self.classes))
         if not chosen:
-            raise _NoMatch(
+            raise NoMatch(
                 f"{self.describe()} matches no module; {index.classes_phrase()}"
             )
         return chosen
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
-class Predicate(_SetTerm):
+class Predicate(SetTerm):
     """Modules for which ``fn(module, qualified_name)`` is true.
 
     ``fn`` is called once per module except the model itself, on every selection; it
@@ -235,10 +235,10 @@ class Predicate(_SetTerm):
     def describe(self) -> str:
         return f"predicate({_callable_name(self.fn)})"
 
-    def _members(self, index: _ModelIndex) -> Names:
+    def _members(self, index: ModelIndex) -> Names:
         chosen = frozenset(n for n, m in index.modules.items() if self.fn(m, n))
         if not chosen:
-            raise _NoMatch(
+            raise NoMatch(
                 f"{self.describe()} is false for every module of {type(index.model).__name__}"
             )
         return chosen
@@ -248,7 +248,7 @@ class Predicate(_SetTerm):
 
 
 @dataclasses.dataclass(frozen=True)
-class Every(_Picker):
+class Every(Picker):
     """``every:N``: the candidates at indices 0, N, 2N, ... in model order."""
 
     n: int
@@ -265,7 +265,7 @@ class Every(_Picker):
 
 
 @dataclasses.dataclass(frozen=True)
-class First(_Picker):
+class First(Picker):
     """``first:K``: the first K candidates (all of them if there are fewer)."""
 
     k: int
@@ -282,7 +282,7 @@ class First(_Picker):
 
 
 @dataclasses.dataclass(frozen=True)
-class Last(_Picker):
+class Last(Picker):
     """``last:K``: the last K candidates (all of them if there are fewer)."""
 
     k: int
@@ -299,7 +299,7 @@ class Last(_Picker):
 
 
 @dataclasses.dataclass(frozen=True)
-class Fraction(_Picker):
+class Fraction(Picker):
     """``fraction:P``: ``k = round(P * n)`` of the n candidates, evenly spaced.
 
     The j-th pick (j = 0 .. k-1) is the candidate at index ``floor((j + 0.5) * n / k)``,

@@ -22,10 +22,16 @@ from ._region import RngSnapshot, region_switched_off, run_offloaded, run_region
 from ._selective import SavedInstances
 from ._wrapper import CheckpointWrapper
 
-__all__ = ["entry_options", "marking", "markings_of"]
+__all__ = [
+    "CheckpointedForward",
+    "entry_options",
+    "marking",
+    "markings_of",
+    "SegmentMember",
+]
 
 
-class _CheckpointedForward:
+class CheckpointedForward:
     """The ``forward`` attribute ``wrap_model`` gives a module instance.
 
     Holds the module weakly so marking creates no reference cycle; pickling and deep
@@ -40,7 +46,7 @@ class _CheckpointedForward:
         options: CheckpointOptions,
         previous: Optional[Callable[..., Any]],
         offload: bool = False,
-        chain: Tuple["_SegmentMember", ...] = (),
+        chain: Tuple["SegmentMember", ...] = (),
         observer: Any = None,
         qualified_name: str = "",
     ) -> None:
@@ -102,7 +108,7 @@ class _CheckpointedForward:
 
     def __reduce__(self) -> Tuple[Any, ...]:
         return (
-            _CheckpointedForward,
+            CheckpointedForward,
             (self._module(), self.options, self.previous, self.offload, self.chain, None, self.qualified_name),
         )
 
@@ -112,7 +118,7 @@ class _CheckpointedForward:
         return f"<checkpointed forward of {kind}>"
 
 
-class _SegmentMember:
+class SegmentMember:
     """The ``forward`` of a module that runs inside the region of a module before it.
 
     Called by the model's forward on the output it expects (the one before's), it returns
@@ -134,8 +140,8 @@ class _SegmentMember:
         self.previous = previous
         self._expected: Optional[Tuple[Any, Any, RngSnapshot, RngSnapshot]] = None
 
-    module = _CheckpointedForward.module
-    call = _CheckpointedForward.call
+    module = CheckpointedForward.module
+    call = CheckpointedForward.call
 
     def expect(self, given: Any, output: Any, before: RngSnapshot, after: RngSnapshot) -> None:
         """The segment's output for this module, when it is called on ``given`` with the
@@ -160,7 +166,7 @@ class _SegmentMember:
     def __reduce__(self) -> Tuple[Any, ...]:
         # Built empty, then filled: the module's own dict refers back to this object, and
         # copying must meet the same copy there (the head's chain holds it too).
-        return (_SegmentMember.__new__, (_SegmentMember,), (self._module(), self.options, self.previous))
+        return (SegmentMember.__new__, (SegmentMember,), (self._module(), self.options, self.previous))
 
     def __setstate__(self, state: Tuple[Any, ...]) -> None:
         module, options, previous = state
@@ -214,7 +220,7 @@ def marking(module: nn.Module) -> Optional[Tuple[str, CheckpointOptions]]:
     level a budget plan chose for it is the plan's choice, not an option given.
     """
     forward = module.__dict__.get("forward")
-    if isinstance(forward, (_CheckpointedForward, _SegmentMember)):
+    if isinstance(forward, (CheckpointedForward, SegmentMember)):
         options = forward.options
         if isinstance(options.context_fn, SavedInstances):
             options = dataclasses.replace(options, context_fn=None)
@@ -234,9 +240,9 @@ def markings_of(module: nn.Module) -> List[Tuple[str, CheckpointOptions]]:
     """
     found: List[Tuple[str, CheckpointOptions]] = []
     forward = module.__dict__.get("forward")
-    if isinstance(forward, _CheckpointedForward) and not forward.offload:
+    if isinstance(forward, CheckpointedForward) and not forward.offload:
         found.append(("wrap_model", forward.options))
-    elif isinstance(forward, _SegmentMember):  # runs in the region of the module before it
+    elif isinstance(forward, SegmentMember):  # runs in the region of the module before it
         found.append(("wrap_model", forward.options))
     if isinstance(module, CheckpointWrapper):
         found.append(("CheckpointWrapper", module.checkpoint_options))

@@ -13,7 +13,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 from torch import nn
 
 from ..planner import Plan, PlanEntry
-from ._forwards import _CheckpointedForward, _SegmentMember, entry_options
+from ._forwards import CheckpointedForward, SegmentMember, entry_options
 
 __all__ = ["PLAN_ATTRIBUTE", "apply_plan", "mark", "named", "record_plan", "unmark"]
 
@@ -82,24 +82,24 @@ def mark(model: nn.Module, applied: Plan, observer: Any = None) -> Dict[str, nn.
     what it does."""
     modules = dict(model.named_modules())
     offload = applied.tier == "offload"
-    members: Dict[str, _SegmentMember] = {}
+    members: Dict[str, SegmentMember] = {}
     for entry in applied.selected:
         if entry.joins is not None:
             module = modules[entry.name]
-            members[entry.name] = _SegmentMember(module, applied.options, module.__dict__.get("forward"))
+            members[entry.name] = SegmentMember(module, applied.options, module.__dict__.get("forward"))
     follower = {entry.joins: entry.name for entry in applied.selected if entry.joins is not None}
     for entry in applied.selected:
         module = modules[entry.name]
         if entry.name in members:
             module.forward = members[entry.name]
             continue
-        chain: List[_SegmentMember] = []
+        chain: List[SegmentMember] = []
         name = follower.get(entry.name)
         while name is not None:
             chain.append(members[name])
             name = follower.get(name)
         options = entry_options(applied.options, entry.saved_ops)
-        module.forward = _CheckpointedForward(
+        module.forward = CheckpointedForward(
             module, options, module.__dict__.get("forward"), offload, tuple(chain), observer, entry.name
         )
     return modules
@@ -109,7 +109,7 @@ def unmark(modules: Iterable[nn.Module]) -> None:
     """Take the checkpointed forwards ``wrap_model`` gave off ``modules``."""
     for module in modules:
         forward = module.__dict__.get("forward")
-        if isinstance(forward, (_CheckpointedForward, _SegmentMember)):
+        if isinstance(forward, (CheckpointedForward, SegmentMember)):
             if forward.previous is not None:
                 module.forward = forward.previous
             else:
@@ -129,7 +129,7 @@ def recorded(model: nn.Module, applied: Plan, modules: Dict[str, nn.Module]) -> 
     kept = [
         entry for entry in existing.selected
         if entry.name in modules
-        and isinstance(modules[entry.name].__dict__.get("forward"), (_CheckpointedForward, _SegmentMember))
+        and isinstance(modules[entry.name].__dict__.get("forward"), (CheckpointedForward, SegmentMember))
     ]
     selected = _in_model_order(modules, [*kept, *applied.selected])
     names = {entry.name for entry in selected}

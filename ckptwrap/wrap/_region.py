@@ -38,7 +38,13 @@ from ._offload import default_offloader
 from ..engine import CheckpointOptions
 from ._switch import is_disabled
 
-__all__ = ["RngSnapshot", "run_region", "run_segment", "region_switched_off"]
+__all__ = [
+    "region_switched_off",
+    "RngSnapshot",
+    "run_offloaded",
+    "run_region",
+    "run_segment",
+]
 
 _STAT_NAMES = ("running_mean", "running_var", "num_batches_tracked")
 

@@ -60,6 +60,8 @@ LOOKUPS = [
     ("torch.nn.modules.module", "_global_forward_pre_hooks", lambda tp: tp.global_forward_pre_hooks is None),
     ("torch.utils.checkpoint", "_CachedTorchDispatchMode", lambda tp: tp.sac_modes is None),
     ("torch._C._autograd", "_profiler_enabled", lambda tp: tp.profiler_enabled() is True),
+    ("torch._C._autograd", "_saved_tensors_hooks_is_enabled", lambda tp: not tp.saved_tensors_hooks_enabled()),
+    ("torch._C._autograd", "_top_saved_tensors_default_hooks", lambda tp: tp.top_saved_tensors_hooks() is None),
     ("torch.nn.modules.dropout", "_DropoutNd", lambda tp: nn.Dropout in tp.dropout_classes),
     ("torch._subclasses.fake_tensor", "FakeTensor", lambda tp: tp.fake_tensor is None),
     ("torch._subclasses.fake_tensor", "unset_fake_temporarily", lambda tp: tp.fake_tensor is None),

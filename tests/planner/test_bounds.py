@@ -201,17 +201,17 @@ def test_with_learning_on_a_bounded_shape_is_measured_once_the_share_allows(monk
 def test_a_bound_out_of_reach_is_given_up_without_the_unbounded_search(monkeypatch):
     # Under a bound a plan is not needed (the step is measured instead); the search for
     # the least peak, whose arrays the budget does not bound, would run inside the step.
-    from ckptwrap.planner import _search, _solver
-    from ckptwrap.planner._cost_model import CostItem
+    from ckptwrap.planner import _solver
+    from ckptwrap.planner._peak_model import CostItem
 
     budgets = []
-    real = _search._Search.__init__
+    real = _solver._Search.__init__
 
     def spy(self, items, base, budget, *args, **kwargs):
         budgets.append(budget)
         real(self, items, base, budget, *args, **kwargs)
 
-    monkeypatch.setattr(_search._Search, "__init__", spy)
+    monkeypatch.setattr(_solver._Search, "__init__", spy)
     items = [CostItem(f"l{i}", kept=1000, inputs=100, time=1.0) for i in range(6)]
     with pytest.raises(ckptwrap.CheckpointConfigError, match="no plan was found within the budget"):
         _solver.solve_budget(items, 500, base=0, settle=False)

@@ -23,7 +23,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ckptwrap._errors import CheckpointConfigError
-from ckptwrap.planner import _search
+from ckptwrap.planner import _solver
 from ckptwrap.planner._solver import (
     BudgetSolution,
     CostItem,
@@ -165,7 +165,7 @@ def check_fits(solution: BudgetSolution, items: Sequence[CostItem], brute: Brute
 
 def coarse(steps: int):
     """Force an axis of at most ``steps`` steps, so that arbitrary sizes are rounded."""
-    return mock.patch.multiple(_search, _EXACT_STEPS=steps, _APPROX_STEPS=steps)
+    return mock.patch.multiple(_solver, _EXACT_STEPS=steps, _APPROX_STEPS=steps)
 
 
 # ---------------------------------------------------------------------------- brute force
@@ -260,7 +260,7 @@ def test_arbitrary_sizes_fit_and_cost_at_least_the_optimum():
         brute = BruteForce(items, base)
         # A tiny axis forces a very coarse rounding on half of the instances. There the
         # smallest reachable peak is only an upper bound, so budgets start from it.
-        with coarse(8 if trial % 2 else _search._APPROX_STEPS):
+        with coarse(8 if trial % 2 else _solver._APPROX_STEPS):
             lowest = smallest_reachable_peak(items, base=base)
             budget = rng.randint(lowest, int(brute.peaks[0]))
             solution = solve_budget(items, budget, base=base)

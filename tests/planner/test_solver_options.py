@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ckptwrap._errors import CheckpointConfigError
-from ckptwrap.planner import _search
+from ckptwrap.planner import _solver
 from ckptwrap.planner._solver import (
     BudgetSolution,
     CostItem,
@@ -412,7 +412,7 @@ def test_plans_on_a_coarse_axis_fit_and_report_their_options():
             )
             for item in items
         ]
-        with mock.patch.multiple(_search, _EXACT_STEPS=8, _APPROX_STEPS=8):
+        with mock.patch.multiple(_solver, _EXACT_STEPS=8, _APPROX_STEPS=8):
             lowest = smallest_reachable_peak(items, base=base, tail=tail)
             empty = predicted_peak(items, [], base=base, tail=tail)
             budget = rng.randint(min(lowest, empty), empty)

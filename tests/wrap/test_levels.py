@@ -26,7 +26,7 @@ import ckptwrap.planner._choose as choosing
 import ckptwrap.planner._items as costs
 from ckptwrap import plan, unwrap_model, wrap_model
 from ckptwrap.planner import ShapePlanner, profile_modules
-from ckptwrap.planner._cost_model import CostItem, predicted_peak
+from ckptwrap.planner._peak_model import CostItem, predicted_peak
 from ckptwrap.planner._levels import MAX_LEVELS, selective_levels
 from ckptwrap.planner._ops import OpCost
 from ckptwrap.wrap._marks import apply_plan

@@ -1,20 +1,45 @@
-"""The peak model of the budget planner: what one candidate costs (:class:`CostItem`) and
-the activation peak a choice of checkpointed candidates is predicted to reach.
+"""The peak model of the budget planner: what one candidate costs (:class:`CostItem`),
+the activation peak a choice of checkpointed candidates is predicted to reach
+(:func:`predicted_peak`, whose docstring is the model's specification), and the moments
+that make it up: what is alive at each point of the training step that can set its peak,
+for one plan. The solver (``_solver``) optimises over this model with the same moments;
+it knows nothing of modules.
 
-The solver (``_search`` and ``_solver``) optimises over this model; it knows nothing of modules.
+The step's own terms (``forward``, ``recompute_grads``, ``grads`` and the tail) come from
+one measured step with every candidate checkpointed: each is what a phase of it reached
+beyond the activation part of the very moment that predicts that phase
+(:func:`step_terms`), so measurement and prediction share their algebra here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import numbers
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 from .._errors import CheckpointConfigError
-from ._moments import _before, _peak
 
-__all__ = ["CostItem", "CostOption", "Group", "format_bytes", "predicted_peak"]
+__all__ = [
+    "CostItem",
+    "CostOption",
+    "Group",
+    "alone_moment",
+    "check_bytes",
+    "check_items",
+    "format_bytes",
+    "item_before",
+    "item_carried",
+    "item_held",
+    "moment_peak",
+    "plain_forward",
+    "plain_moment",
+    "plan_moments",
+    "predicted_peak",
+    "segment_moment",
+    "step_terms",
+]
 
 _BYTE_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
 
@@ -125,7 +150,7 @@ class CostItem:
             value = getattr(self, field)
             if (type(value) is int and value >= 0) or (value is None and field in _OPTIONAL):
                 continue
-            object.__setattr__(self, field, _check_bytes(value, f"cost item {self.name!r}: {field}"))
+            object.__setattr__(self, field, check_bytes(value, f"cost item {self.name!r}: {field}"))
         time = self.time
         if not (type(time) is float and 0.0 <= time < math.inf):
             object.__setattr__(self, "time", _check_time(time, f"cost item {self.name!r}: time"))
@@ -150,8 +175,8 @@ class CostItem:
             checked.append(
                 CostOption(
                     option.label,
-                    inputs=_check_bytes(option.inputs, f"{where} ({option.label!r}) inputs"),
-                    rebuilt=_check_bytes(option.rebuilt, f"{where} ({option.label!r}) rebuilt"),
+                    inputs=check_bytes(option.inputs, f"{where} ({option.label!r}) inputs"),
+                    rebuilt=check_bytes(option.rebuilt, f"{where} ({option.label!r}) rebuilt"),
                     time=_check_time(option.time, f"{where} ({option.label!r}) time"),
                 )
             )
@@ -242,10 +267,10 @@ def predicted_peak(
         >>> predicted_peak(items, [0, 1, 2], base=5, tail=50, options={2: 1})
         135
     """
-    base = _check(items, base)
-    tail = _check_bytes(tail, "tail")
+    base = check_items(items, base)
+    tail = check_bytes(tail, "tail")
     groups = _groups(items, selected)
-    return _peak(items, groups, base, tail, _check_options(items, groups, options))
+    return moment_peak(items, groups, base, tail, _check_options(items, groups, options))
 
 
 # --------------------------------------------------------------------------- helpers
@@ -256,7 +281,7 @@ def _is_int(value: object) -> bool:
     return type(value) is int or (isinstance(value, numbers.Integral) and not isinstance(value, bool))
 
 
-def _check_bytes(value: object, what: str) -> int:
+def check_bytes(value: object, what: str) -> int:
     if not _is_int(value) or value < 0:  # type: ignore[operator]
         raise CheckpointConfigError(
             f"{what} must be a non-negative integer number of bytes; got {value!r}"
@@ -273,9 +298,9 @@ def _check_time(value: object, what: str) -> float:
     return float(value)
 
 
-def _check(items: Sequence[CostItem], base: object) -> int:
+def check_items(items: Sequence[CostItem], base: object) -> int:
     """Check the items and ``base``; return ``base`` as an int."""
-    base = _check_bytes(base, "base")
+    base = check_bytes(base, "base")
     joined = 0
     for index, item in enumerate(items):
         if not isinstance(item, CostItem):
@@ -294,10 +319,10 @@ def _check(items: Sequence[CostItem], base: object) -> int:
                     f"has no previous candidate to join"
                 )
             joined += item.joins
-            if joined > _before(item, base):
+            if joined > item_before(item, base):
                 raise CheckpointConfigError(
                     f"cost item {item.name!r}: the joins of the candidates up to it "
-                    f"({joined} bytes) exceed its before ({_before(item, base)} bytes), "
+                    f"({joined} bytes) exceed its before ({item_before(item, base)} bytes), "
                     f"of which they are a part"
                 )
     return base
@@ -364,3 +389,155 @@ def _check_options(
         if number:
             checked[int(index)] = int(number)
     return checked
+
+
+# ------------------------------------------------------------------ the moments
+
+
+
+def item_before(item: CostItem, base: int) -> int:
+    return base if item.before is None else item.before
+
+
+def item_carried(item: CostItem) -> int:
+    return 0 if item.joins is None else item.joins
+
+
+def _choice(item: CostItem, option: int) -> Tuple[int, int]:
+    """``inputs`` and ``rebuilt`` of option ``option`` (0: the full recomputation)."""
+    if option == 0:
+        return item.inputs, item.rebuilt  # type: ignore[return-value]
+    chosen = item.options[option - 1]
+    return chosen.inputs, chosen.rebuilt
+
+
+def item_held(item: CostItem, option: Optional[int]) -> int:
+    """Bytes a candidate holds until its backward: plain (None), or checkpointed."""
+    return item_carried(item) + (item.kept if option is None else _choice(item, option)[0])
+
+
+def plain_moment(item: CostItem) -> int:
+    """A plain candidate's forward and backward, above ``ahead`` and what the candidates
+    before hold."""
+    return item_carried(item) + max(
+        item.kept + item.grads, item.kept - item.call_kept + plain_forward(item)
+    )
+
+
+def plain_forward(item: CostItem) -> int:
+    """What a plain candidate's forward holds at its highest, if its forward was measured."""
+    return max(item.rebuilt, item.forward) if item.forward else 0  # type: ignore[type-var]
+
+
+def _alone_parts(item: CostItem, option: int) -> Tuple[int, int, int]:
+    """The activation part of a candidate checkpointed alone, above ``carried``: at its
+    recomputation (what its checkpoint keeps and what it rebuilds), at its backward (its
+    checkpoint's inputs and one call's rebuilt graph) and at its forward (beyond
+    ``forward``, what the option saves as it goes, less one call's inputs, which
+    ``forward`` holds)."""
+    inputs, rebuilt = _choice(item, option)
+    return (
+        inputs + rebuilt,  # type: ignore[operator]
+        item.inputs - item.saved + item.call_kept,
+        inputs - item.call_inputs,
+    )
+
+
+def alone_moment(item: CostItem, option: int) -> int:
+    """A candidate checkpointed alone: its forward, its recomputation, then its backward."""
+    recompute, backward, forward = _alone_parts(item, option)
+    return item_carried(item) + max(
+        recompute + item.recompute_grads,
+        backward + item.grads,
+        item.forward + forward if item.forward else 0,
+    )
+
+
+def segment_moment(items: Sequence[CostItem], group: Group) -> int:
+    """A segment (or a candidate alone, recomputed in full): recomputation, then the
+    backward of each member with what the members before it rebuilt."""
+    first, last = items[group[0]], items[group[-1]]
+    rebuilt, backward = 0, 0
+    for i in group[:-1]:
+        backward = max(backward, rebuilt + items[i].kept + items[i].grads)
+        rebuilt += items[i].kept + item_carried(items[i + 1])
+    backward = max(backward, rebuilt + last.kept + last.grads)
+    rebuilt += last.rebuilt  # type: ignore[operator]
+    # Each member's forward, under the first's input, holds its own input and working set.
+    forward = max(items[i].forward + item_carried(items[i]) if items[i].forward else 0 for i in group)
+    return item_carried(first) + first.inputs + max(rebuilt + last.recompute_grads, backward, forward)
+
+
+def moment_peak(
+    items: Sequence[CostItem],
+    groups: Iterable[Group],
+    base: int,
+    tail: int = 0,
+    options: Optional[Mapping[int, int]] = None,
+) -> int:
+    moments, _, end = plan_moments(items, sorted(groups), base, tail, options or {})
+    return max([end] + moments)
+
+
+def plan_moments(
+    items: Sequence[CostItem], groups: List[Group], base: int, tail: int, options: Mapping[int, int]
+) -> Tuple[List[int], Dict[Group, Tuple[int, int]], int]:
+    """A plan's moments (``groups`` sorted, ``options`` by first index) in forward order
+    but for the end of the forward; per region, the index of its moment and what the
+    candidates before it hold; and the end of the forward."""
+    joined = list(itertools.accumulate(item_carried(item) for item in items))
+    starts = {group[0]: group for group in groups}
+    inside = {i for group in groups for i in group[1:]}
+    where: Dict[Group, Tuple[int, int]] = {}
+    held, moments = 0, []
+    for i, item in enumerate(items):
+        if i in inside:
+            continue
+        ahead = item_before(item, base) - joined[i]
+        group = starts.get(i)
+        if group is None:
+            moments.append(ahead + held + plain_moment(item))
+            held += item_held(item, None)
+            continue
+        option = options.get(i, 0)
+        where[group] = (len(moments), held)
+        region = alone_moment(item, option) if len(group) == 1 else segment_moment(items, group)
+        moments.append(ahead + held + region)
+        held += item_held(item, option)
+    return moments, where, base - (joined[-1] if joined else 0) + held + tail
+
+
+def step_terms(
+    items: Sequence[CostItem],
+    base: int,
+    forward: Mapping[int, int],
+    recompute: Mapping[int, int],
+    backward: Mapping[int, int],
+    end: int,
+) -> Tuple[List[Dict[str, int]], int]:
+    """The step's terms of each item, from one step measured with every item
+    checkpointed alone in full: per item index, the peaks of its forward, recomputation
+    and backward phases (missing if not measured), and that of the end of the forward.
+
+    Returns the terms per item, by field (``forward``, ``recompute_grads``, ``grads``;
+    those its phases give), and the tail. Each term is its phase's peak less the rest of the moment that
+    predicts the phase (:func:`alone_moment` at option 0, and the end of the forward)
+    with what the items before it held in that step; never negative.
+    """
+    changes: List[Dict[str, int]] = []
+    held = joined = 0
+    for index, item in enumerate(items):
+        carried = item_carried(item)
+        joined += carried
+        found: Dict[str, int] = {}
+        if item.before is not None:
+            ahead = item.before - joined + held + carried
+            recompute_part, backward_part, forward_part = _alone_parts(item, 0)
+            if index in forward:
+                found["forward"] = max(0, forward[index] - ahead - forward_part)
+            if index in recompute and index in backward:
+                found["recompute_grads"] = max(0, recompute[index] - ahead - recompute_part)
+                found["grads"] = max(0, backward[index] - ahead - backward_part)
+        changes.append(found)
+        held += carried + item.inputs
+    return changes, max(0, end - (base - joined + held))
