@@ -63,11 +63,14 @@ class InputLedger:
     """Which input storages the outermost candidate calls took, counted once.
 
     An input that an earlier outermost call took too (an attention mask, or position
-    embeddings, that every layer takes) is alive through the whole forward and held,
-    after it, by whichever checkpoint or operator keeps it: it is counted once, in the
-    base, from the first call that took it, and in no call's inputs. Another call of the
-    same module taking one again (a mask every call of a shared layer takes) holds it no
-    longer: counted in the first call's inputs only.
+    embeddings, that every layer takes) is alive through the whole forward; held after
+    it by an operator that saves it, it is counted once, in the base, from the first
+    call that took it, and in no call's inputs. One no operator saves (a causal video
+    convolution's feature cache, which every block takes and the next chunk replaces)
+    is held after the forward only by checkpoints that took it: it stays in the first
+    call's inputs until something saves it. Another call of the same module taking one
+    again (a mask every call of a shared layer takes) holds it no longer: counted in the
+    first call's inputs only.
 
     Args:
         excluded: Storages that are no inputs (parameters, buffers, the model's inputs).
@@ -106,18 +109,30 @@ class InputLedger:
 
     def _share(self, storage: torch.UntypedStorage, first: "Record", position: int) -> None:
         """``storage``, an input of the outermost call at ``position`` (of ``first``), is
-        an input of a later call too: move it from that call's inputs to the base."""
+        an input of a later call too: once the base takes it (an operator saves it),
+        move it from that call's inputs to the base."""
         if storage in self._shared:
             return
         self._shared.setdefault(storage, None)
         if storage in self._base:
             return  # saved by that call or before it: counted in the base already
-        nbytes = storage.nbytes()
-        first.input_bytes -= nbytes
-        self._base.add(storage)
-        for record in self._records:
-            if record.base_before_bytes is not None and record.position >= position:
-                record.base_before_bytes += nbytes
+        # Taken by several calls is not yet held through the backward: a plain step holds
+        # it only if an operator saves it. One no operator saves (a causal convolution's
+        # feature cache, a tensor a candidate's forward stores in a list every call takes,
+        # replaced by the next chunk) is freed in a plain step once replaced, and held by
+        # the checkpoints that took it alone: it stays in the first call's inputs, and
+        # moves to the base only when something saves it (the base takes it).
+        earlier = self._base.claims.pop(storage)
+
+        def saved(nbytes: int) -> None:
+            if earlier is not None:
+                earlier(nbytes)
+            first.input_bytes -= nbytes
+            for record in self._records:
+                if record.base_before_bytes is not None and record.position >= position:
+                    record.base_before_bytes += nbytes
+
+        self._base.claims[storage] = saved
 
 
 def highest_each(known: Tuple[int, ...], new: Tuple[int, ...]) -> Tuple[int, ...]:

@@ -122,3 +122,32 @@ def test_three_dimensional_convolutions_are_metered_as_they_run_and_predicted_wi
     planned = ckptwrap.plan(model, "blocks", example_inputs=(video,), loss_fn=_loss)
     assert abs(planned.plain_peak - plain) <= 0.03 * plain, (planned.plain_peak, plain)
     assert abs(planned.predicted_peak - unmetered) <= 0.03 * plain, (planned.predicted_peak, unmetered)
+
+
+def test_a_video_autoencoder_with_a_feature_cache_is_predicted_within_3_percent():
+    # Diffusers' Wan VAE hands every causal convolution a list of the last frames of the
+    # chunk before; nothing saves them, so a plain step frees each when the next chunk
+    # replaces it, while the checkpoints that took one hold it. Counted as held under
+    # any plan, they put the plain peak 6.5% high.
+    pytest.importorskip("diffusers")
+    from _diffusion import TINY, Tiny
+
+    tiny = TINY["AutoencoderKLWan"]
+    batch = tiny.batch()
+
+    def peak(model) -> int:
+        def step():
+            torch.manual_seed(0)
+            Tiny.loss(model(**batch)).backward()
+
+        step()  # warm: lazily made state outside the peak
+        model.zero_grad(set_to_none=True)
+        found = allocator_peak(step)
+        model.zero_grad(set_to_none=True)
+        return found
+
+    plain = peak(tiny.build())
+    blocks = peak(ckptwrap.wrap_model(tiny.build(), "blocks"))
+    planned = ckptwrap.plan(tiny.build(), "blocks", example_kwargs=batch, loss_fn=Tiny.loss)
+    assert abs(planned.plain_peak - plain) <= 0.03 * plain, (planned.plain_peak, plain)
+    assert abs(planned.predicted_peak - blocks) <= 0.03 * plain, (planned.predicted_peak, blocks)
