@@ -129,6 +129,14 @@ def _build_parser() -> argparse.ArgumentParser:
         choices=sorted(OPTIMIZERS),
         help="the optimizer whose state and step count in the device's memory (default: none counted)",
     )
+    sub.add_argument(
+        "--accumulate",
+        type=int,
+        default=1,
+        metavar="N",
+        help="micro-steps per optimizer step (gradient accumulation): the device's memory is "
+        "planned for the micro-steps that start with the gradients held (default: 1)",
+    )
     sub.add_argument("--policy", default="blocks", help="policy string (default: blocks)")
     sub.add_argument(
         "--use-reentrant", action="store_true", help="plan for the re-entrant engine"
@@ -186,6 +194,7 @@ def _run_plan(args: argparse.Namespace) -> int:
             profile=frontier_profile,
             device_rates=args.device_rates,
             optimizer=args.optimizer,
+            accumulation=args.accumulate,
             use_reentrant=args.use_reentrant,
         )
     except CheckpointConfigError as error:

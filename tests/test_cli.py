@@ -643,6 +643,24 @@ def test_device_memory_and_an_optimizer_answer_whether_it_fits_as_in_python(caps
     assert code == 0 and "fits in" in out and "optimizer state (AdamW)" in out, out
 
 
+def test_accumulate_plans_the_micro_steps_that_start_with_the_gradients_held(capsys):
+    pytest.importorskip("transformers")
+    argv = [*_LLAMA, "--input", "input_ids=2,64", "--labels", "--device-memory", "80GiB", "--optimizer", "adamw", "--json"]
+    code, out, err = _run(capsys, *argv)
+    assert code == 0, err
+    fresh = json.loads(out)
+    code, out, err = _run(capsys, *argv, "--accumulate", "4")
+    assert code == 0, err
+    accumulating = json.loads(out)
+    memory = accumulating["device_memory"]
+    assert memory["held_gradients"] == memory["gradients"] > 0 == fresh["device_memory"]["held_gradients"]
+    assert accumulating["device_peak"] == fresh["device_peak"] + memory["gradients"]
+    code, out, err = _run(capsys, *argv[:-1], "--accumulate", "4")
+    assert code == 0 and "gradients held from the micro-step before" in out, out
+    code, out, err = _run(capsys, *argv, "--accumulate", "0")
+    assert code == 2 and "accumulation must be" in err, (code, err)
+
+
 def test_a_device_too_small_exits_1_saying_what_it_needs(capsys):
     pytest.importorskip("transformers")
     argv = [*_LLAMA, "--input", "input_ids=2,256", "--labels", "--device-memory", "1MiB", "--optimizer", "adamw"]

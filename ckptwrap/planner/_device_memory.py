@@ -52,6 +52,8 @@ class DeviceMemory:
         source: Where ``total`` came from, for the plan's table.
         inputs: Bytes of the planned step's inputs on the device (the batch, made before
             the step and held through it).
+        held_gradients: Bytes of gradients held from before the step: with gradient
+            accumulation, every micro-step after the first starts with them.
     """
 
     total: Optional[int]
@@ -63,6 +65,7 @@ class DeviceMemory:
     optimizer: Optional[str]
     source: str
     inputs: int = 0
+    held_gradients: int = 0
 
     @property
     def held(self) -> int:
@@ -77,14 +80,18 @@ class DeviceMemory:
 
     def whole_peak(self, step_peak: int) -> int:
         """The device's peak over a training iteration whose step peaks at ``step_peak``
-        (above what is held and its inputs)."""
-        return max(self.held + self.inputs + step_peak, self.optimizer_peak)
+        (above what is held, its inputs and the gradients it starts with).
 
-    def step_budget(self, held_gradients: int = 0) -> "StepBudget":
-        """What a training step may allocate beside its inputs, starting with
-        ``held_gradients`` bytes of gradients already held (accumulation)."""
+        With gradients held from before the step, this is a bound: the step's own peak
+        counts the parameter gradients its backward has made by then, which a step that
+        accumulates into held ones does not allocate again."""
+        return max(self.held + self.inputs + self.held_gradients + step_peak, self.optimizer_peak)
+
+    def step_budget(self) -> "StepBudget":
+        """What a training step may allocate beside its inputs and the gradients it
+        starts with."""
         assert self.total is not None
-        return StepBudget(self, held_gradients)
+        return StepBudget(self)
 
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
@@ -92,21 +99,24 @@ class DeviceMemory:
 
 class StepBudget(int):
     """A step's budget in bytes read from a device's (:class:`DeviceMemory`): its total less
-    what is held (and the gradients held at the step's start), at least 0."""
+    what is held, the inputs and the gradients held at the step's start, at least 0."""
 
     memory: DeviceMemory
-    held_gradients: int
 
-    def __new__(cls, memory: DeviceMemory, held_gradients: int = 0) -> "StepBudget":
-        self = super().__new__(cls, max(0, int(memory.total or 0) - memory.held - memory.inputs - held_gradients))
-        self.memory, self.held_gradients = memory, int(held_gradients)
+    def __new__(cls, memory: DeviceMemory) -> "StepBudget":
+        taken = memory.held + memory.inputs + memory.held_gradients
+        self = super().__new__(cls, max(0, int(memory.total or 0) - taken))
+        self.memory = memory
         return self
+
+    @property
+    def held_gradients(self) -> int:
+        return self.memory.held_gradients
 
     def total_for(self, step_peak: int) -> int:
         """The least device memory under which a step peaking at ``step_peak`` fits, with
         what this budget took off (held, inputs, gradients held) and the optimizer's step."""
-        memory = self.memory
-        return max(memory.held + memory.inputs + self.held_gradients + step_peak, memory.optimizer_peak)
+        return self.memory.whole_peak(step_peak)
 
     def describe_parts(self) -> str:
         """The budget as a sum, for messages."""
@@ -124,7 +134,7 @@ class StepBudget(int):
         return f"{m.source} less {', '.join(parts)} leaves {_gib(int(self))} ({int(self)} bytes) for the step"
 
     def __reduce__(self) -> Tuple[object, ...]:
-        return (StepBudget, (self.memory, self.held_gradients))
+        return (StepBudget, (self.memory,))
 
 
 def device_memory(
@@ -178,6 +188,7 @@ class DeviceTerms:
         # What of the settings it reads (not the settings: their loss function may not pickle).
         self.budget, self.optimizer = settings.budget, settings.optimizer
         self.rates, self.fake = settings.rates, settings.fake
+        self.accumulation = settings.accumulation
         self._memory: Optional[DeviceMemory] = None
         self.held_gradients = 0
         self.inputs = 0
@@ -187,10 +198,11 @@ class DeviceTerms:
     @property
     def memory(self) -> Optional[DeviceMemory]:
         """The device's memory as read at the first plan, with the inputs of the step
-        being planned."""
-        if self._memory is None or self._memory.inputs == self.inputs:
-            return self._memory
-        return dataclasses.replace(self._memory, inputs=self.inputs)
+        being planned and the gradients it starts with."""
+        memory = self._memory
+        if memory is None or (memory.inputs, memory.held_gradients) == (self.inputs, self.held_gradients):
+            return memory
+        return dataclasses.replace(memory, inputs=self.inputs, held_gradients=self.held_gradients)
 
     @property
     def in_terms(self) -> bool:
@@ -212,12 +224,13 @@ class DeviceTerms:
         if self.in_terms or self.optimizer is not None:
             fake_step = self.fake or unreal(model, args, kwargs) is not None
             self._read(model, device, fake_step=fake_step)
-            self.held_gradients = 0
+            # Accumulating, every micro-step after the first starts with the gradients.
+            self.held_gradients = self._memory.gradients if self.accumulation > 1 else 0
             self.inputs = input_bytes(args, kwargs, device)
 
     def step_budget(self) -> "StepBudget":
         assert self.memory is not None, "read at the first plan"
-        return self.memory.step_budget(self.held_gradients)
+        return self.memory.step_budget()
 
     def check_optimizer(self, model: nn.Module, *, strict: bool) -> None:
         """The optimizer's step needs the gradients and its temporaries beside what is

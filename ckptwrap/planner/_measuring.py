@@ -100,6 +100,9 @@ class PlanSettings:
     """Whether steps on given inputs run on fake tensors even for a real model."""
     optimizer: Any = None
     """The optimizer whose state and step count in a device's memory (an ``OptimizerSpec``)."""
+    accumulation: int = 1
+    """Micro-steps per optimizer step: past one, a plan from example inputs is for a
+    micro-step that starts with the gradients held (``plan``'s ``accumulation``)."""
 
     @property
     def names(self) -> List[str]:

@@ -64,6 +64,7 @@ def plan(
     device_rates: Any = None,
     fake: bool = False,
     optimizer: Any = None,
+    accumulation: int = 1,
     **options: Any,
 ) -> Plan:
     """What :func:`wrap_model` would do with these arguments, without changing ``model``.
@@ -114,6 +115,12 @@ def plan(
             parameters (nothing allocated, the optimizer untouched) and count in a budget
             in a device's terms (``budget:total=80GiB``, ``budget:device``); with example
             inputs the plan shows the device's memory part by part.
+        accumulation: Micro-steps per optimizer step (gradient accumulation). Past one,
+            a plan in a device's terms is for the micro-steps after the first, which
+            start with the gradients held: a ``budget:total`` leaves room for them, and
+            the plan's ``device_peak`` counts them (a bound: the step's own peak counts
+            the gradients its backward has made by then, which accumulating into held
+            ones does not allocate again).
         **options: Engine options of :func:`ckptwrap.checkpoint`.
 
     Returns:
@@ -129,7 +136,7 @@ def plan(
     return plan_and_profile(
         model, policy, nested=nested, example_inputs=example_inputs,
         example_kwargs=example_kwargs, loss_fn=loss_fn, max_shapes=max_shapes,
-        device_rates=device_rates, fake=fake, optimizer=optimizer, **options,
+        device_rates=device_rates, fake=fake, optimizer=optimizer, accumulation=accumulation, **options,
     )[0]
 
 
@@ -146,6 +153,7 @@ def plan_and_profile(
     device_rates: Any = None,
     fake: bool = False,
     optimizer: Any = None,
+    accumulation: int = 1,
     **options: Any,
 ) -> Tuple[Plan, Optional[ModelProfile]]:
     """:func:`plan`, and the profile its predictions come from (None when unmeasured).
@@ -154,6 +162,11 @@ def plan_and_profile(
     measuring where it serves (it covers the candidates and, for a budget, no more), so
     that a drawing made from it agrees with the plan.
     """
+    if isinstance(accumulation, bool) or not isinstance(accumulation, int) or accumulation < 1:
+        raise CheckpointConfigError(
+            f"accumulation must be a whole number of micro-steps per optimizer step, 1 or more; "
+            f"got {accumulation!r}"
+        )
     unmeasured, budget = _select(model, policy, nested, options)
     spec = optimizer if isinstance(optimizer, OptimizerSpec) else optimizer_spec(model, optimizer)
     if budget is None and example_inputs is None and example_kwargs is None:
@@ -168,7 +181,8 @@ def plan_and_profile(
     if not isinstance(fake, bool):
         raise CheckpointConfigError(f"fake must be True or False, got {fake!r}")
     planner = shape_planner(
-        model, policy, unmeasured, budget, loss_fn, max_shapes, device_rates, fake, optimizer=spec
+        model, policy, unmeasured, budget, loss_fn, max_shapes, device_rates, fake, optimizer=spec,
+        accumulation=accumulation,
     )
     args, kwargs = as_example(example_inputs, example_kwargs)
     check_max_shapes(model, max_shapes, (args, kwargs))
@@ -190,6 +204,7 @@ def shape_planner(
     fake: bool = False,
     *,
     optimizer: Any = None,
+    accumulation: int = 1,
 ) -> ShapePlanner:
     """The planner of ``unmeasured``'s candidates, as ``policy`` allows it to checkpoint
     them."""
@@ -216,6 +231,7 @@ def shape_planner(
         rates=rates,
         fake=fake,
         optimizer=optimizer,
+        accumulation=accumulation,
     )
     return ShapePlanner(settings, max_shapes=dict(max_shapes) if max_shapes else None)
 
