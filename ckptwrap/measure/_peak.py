@@ -228,6 +228,8 @@ class StorageCounter(TorchDispatchMode):
         self._counted_in_reading = 0
         self._reported_frees: List[int] = []
         self.unattributed = 0
+        # Storages resized in place (UntypedStorage.resize_) are told to it until it closes.
+        _follow_resizes(self)
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -278,6 +280,7 @@ class StorageCounter(TorchDispatchMode):
         outlive the count must not call back into it, and dropping them now lets this
         object be freed before they are."""
         self._closed = True
+        _unfollow_resizes(self)
         with self._lock:
             self._refs.clear()
         self._on_release = None  # no cycle through it once nothing is counted
@@ -440,6 +443,36 @@ class StorageCounter(TorchDispatchMode):
         if self._live > self.peak_bytes:
             self.peak_bytes = self._live
 
+    def _resized(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """``storage`` was resized in place to ``nbytes`` (``UntypedStorage.resize_``, which
+        no dispatch mode sees: FSDP2 frees a layer's all-gathered parameters so, and
+        allocates them again): a storage counted takes its new size; one not counted that
+        grows (made before the block, empty) is counted from now, as if made."""
+        if self._closed:
+            return
+        with self._lock:
+            counted = self._refs.get(storage._cdata)
+            if counted is None:
+                if nbytes <= 0 or storage.device.type not in (self._device_type, "meta"):
+                    return
+                ref = _Counted(storage, self._on_release)
+                ref.key, ref.nbytes, ref.reported = storage._cdata, 0, False
+                self._refs[ref.key] = ref
+                counted = ref
+            change = nbytes - counted.nbytes
+            if not change:
+                return
+            counted.nbytes = nbytes
+            if change > 0:
+                self._add(change)
+            else:
+                self._live += change
+            if self._reading_thread is not None and self._reading_thread == threading.get_ident():
+                # The allocator's events of the reading hold the resize too.
+                self._counted_in_reading += change
+            if self._trace:
+                self.moments.append(self._live)
+
     def _release(self, ref: "_Counted") -> None:
         """Called back when a counted storage is released: report its bytes as freed."""
         refs = self._refs
@@ -472,6 +505,44 @@ class StorageCounter(TorchDispatchMode):
                 except (RuntimeError, NotImplementedError, TypeError):
                     pass
         return keys
+
+
+_resize_followers: "weakref.WeakSet[StorageCounter]" = weakref.WeakSet()
+_resize_lock = threading.Lock()
+_plain_resize: Any = None
+
+
+def _follow_resizes(counter: StorageCounter) -> None:
+    """Tell ``counter`` of every ``UntypedStorage.resize_`` until it closes: the method is
+    wrapped while any counter is open (as torch's own ``MemTracker`` does)."""
+    global _plain_resize
+    with _resize_lock:
+        _resize_followers.add(counter)
+        if _plain_resize is None:
+            _plain_resize = torch.UntypedStorage.resize_
+            torch.UntypedStorage.resize_ = _resize  # type: ignore[method-assign]
+
+
+def _unfollow_resizes(counter: StorageCounter) -> None:
+    global _plain_resize
+    with _resize_lock:
+        _resize_followers.discard(counter)
+        if not _resize_followers and _plain_resize is not None:
+            if torch.UntypedStorage.resize_ is _resize:
+                torch.UntypedStorage.resize_ = _plain_resize  # type: ignore[method-assign]
+            _plain_resize = None
+
+
+def _resize(storage: torch.UntypedStorage, size: int) -> Any:
+    resize = _plain_resize if _plain_resize is not None else _original_resize
+    result = resize(storage, size)
+    nbytes = storage.nbytes()
+    for counter in list(_resize_followers):
+        counter._resized(storage, nbytes)
+    return result
+
+
+_original_resize = torch.UntypedStorage.resize_
 
 
 class _Counted(weakref.ref):

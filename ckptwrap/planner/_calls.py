@@ -17,7 +17,7 @@ from torch import nn
 
 from ..measure import StorageMap, Tally, tensor_storages, tensors
 from ._module_costs import ModuleCost
-from ._ops import OpCost, OpRecorder, merge_calls
+from ._ops import OpRecorder, merge_calls
 from ._phases import Window
 from ._progress import ProgressBar
 from ._records import InputLedger, Record, highest_each

@@ -17,7 +17,7 @@ import dataclasses
 import itertools
 import math
 import numbers
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 from .._errors import CheckpointConfigError
 

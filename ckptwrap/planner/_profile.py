@@ -10,6 +10,7 @@ learns from its own training steps instead, through the same recorder.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import functools
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
+from .. import _torch_private
 from .._errors import CheckpointConfigError
 from .._caches import given_caches
 from .._hf import fresh_caches
@@ -27,7 +29,6 @@ from ..measure import SavePolicy, differentiable, tensors
 from ._module_costs import ModelProfile
 from ._progress import ProgressBar, should_show
 from ._recorder import StepRecorder
-from ._timing import RngState
 from ._unreal import measure_unreal, step_device, unreal
 
 __all__ = ["measure_inputs", "profile_modules", "resolve_targets"]
@@ -198,7 +199,7 @@ def _measure(
         for _, module in recorder.outermost:
             originals.append((module, module.__dict__.get("forward")))
             module.forward = _Region(recorder, module, context_fn, preserve_rng_state)
-        with RngState([device] if device.type != "cpu" else []).kept():
+        with _generators_kept(device):
             call_args, call_kwargs = fresh_caches(args, kwargs)
             torch.set_grad_enabled(True)
             recorder.begin(call_args, call_kwargs)
@@ -221,7 +222,12 @@ def _measure(
                 _backward_keeping_grads(roots, grads, wanted)
             elif roots and wanted:
                 # Returned, not accumulated: the caller's .grad fields stay as they were.
-                torch.autograd.grad(roots, wanted, grads, allow_unused=True)
+                # Under modes already (a step on fake tensors) the counter joins them for
+                # the whole backward: what hooks run between nodes allocate counts too
+                # (FSDP2's all-gather of a layer's parameters in a tensor hook).
+                under = _torch_private.dispatch_modes_active()
+                with recorder.phases.inside() if under else contextlib.nullcontext():
+                    torch.autograd.grad(roots, wanted, grads, allow_unused=True)
             del roots, grads
             profile = recorder.finish()
     finally:
@@ -369,3 +375,13 @@ class _ModelState:
             for module, name, buffer, saved in self._buffers:
                 module._buffers[name] = buffer
                 buffer.copy_(saved)
+
+
+def _generators_kept(device: torch.device) -> Any:
+    """A block after which the CPU generator, and ``device``'s if it is an accelerator's,
+    are as they were before it: a measured step draws nothing from the caller's stream."""
+    module = None if device.type in ("cpu", "meta") else torch.get_device_module(device.type)
+    if module is None or not hasattr(module, "get_rng_state"):
+        return torch.random.fork_rng(devices=[])
+    index = device.index if device.index is not None else module.current_device()
+    return torch.random.fork_rng(devices=[index], device_type=device.type)

@@ -8,12 +8,11 @@ noise decides no plan.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
 import time
-from typing import Any, Callable, ContextManager, Dict, Iterable, Iterator, List, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Tuple
 
 import torch
 
@@ -24,35 +23,9 @@ __all__ = [
     "CPU_RATES",
     "OperatorRates",
     "RecomputePrices",
-    "RngState",
     "dispatch_cost",
     "selective_cost",
 ]
-
-
-class RngState:
-    """The CPU RNG state and that of each accelerator device given, to put back later."""
-
-    def __init__(self, devices: Iterable[torch.device]) -> None:
-        self._cpu = torch.get_rng_state()
-        self._devices = []
-        for device in devices:
-            module = torch.get_device_module(device.type)
-            if hasattr(module, "get_rng_state"):
-                self._devices.append((module, device, module.get_rng_state(device)))
-
-    def restore(self) -> None:
-        torch.set_rng_state(self._cpu)
-        for module, device, state in self._devices:
-            module.set_rng_state(state, device)
-
-    @contextlib.contextmanager
-    def kept(self) -> Iterator[None]:
-        """Run the block, then put the RNG states back as they were before it."""
-        try:
-            yield
-        finally:
-            self.restore()
 
 
 _CALIBRATION_OPS = 400

@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_map_only
 
 from .. import _torch_private
@@ -153,6 +153,7 @@ def _on_fake_tensors(model: nn.Module, args: Any, kwargs: Any, fake: Any) -> Ite
             made[id(tensor)] = found
         return found
 
+    _refuse_sharded_on_meta(model)
     swapped: List[Tuple[Dict[str, Any], str, Any]] = []
     try:
         for module in model.modules():
@@ -229,11 +230,36 @@ def _fake_of(tensor: torch.Tensor, mode: Any) -> torch.Tensor:
     return made
 
 
+def _refuse_sharded_on_meta(model: nn.Module) -> None:
+    """A parameter that wraps a shard (FSDP2's DTensor) on the meta device has no shard to
+    stand in for: FSDP's first step would set itself up on stand-ins and keep them."""
+    for name, param in model.named_parameters():
+        if param.device.type == "meta" and is_traceable_wrapper_subclass(param):
+            raise CheckpointConfigError(
+                f"{type(model).__name__}'s parameter {name} is a {type(param).__name__} on the meta "
+                f"device (sharded by FSDP2's fully_shard there): a step on stand-ins would run "
+                f"FSDP's first-step setup on them and leave them in its state. To plan per rank, "
+                f"build and shard the model under torch's FakeTensorMode, with a fake process "
+                f"group of the world size (docs/capacity.md, 'Per rank under FSDP2')."
+            )
+
+
 def _fake_mode(tensor: torch.Tensor) -> Any:
+    """The fake mode of ``tensor``, or of a wrapper subclass's inner tensors (a DTensor of
+    a fake local shard: FSDP2 on a model made in ``FakeTensorMode``)."""
     fake = _torch_private.fake_tensor
-    if fake is None or not isinstance(tensor, fake.tensor_class):
+    if fake is None:
         return None
-    return tensor.fake_mode
+    if isinstance(tensor, fake.tensor_class):
+        return tensor.fake_mode
+    if is_traceable_wrapper_subclass(tensor):
+        for name in tensor.__tensor_flatten__()[0]:
+            inner = getattr(tensor, name, None)
+            if isinstance(inner, torch.Tensor):
+                found = _fake_mode(inner)
+                if found is not None:
+                    return found
+    return None
 
 
 def _mode_of(found: Iterator[torch.Tensor]) -> Any:

@@ -268,3 +268,24 @@ def test_device_without_statistics_is_rejected():
 def test_result_reports_mebibytes():
     result = PeakMemory(device=torch.device("cpu"), peak_bytes=3 * 1024 * 1024)
     assert result.peak_mib == 3.0
+
+
+def test_storages_resized_in_place_count_as_fsdp2_frees_and_regathers_them():
+    """FSDP2 frees a layer's all-gathered parameters with ``untyped_storage().resize_(0)``
+    and allocates them again with ``resize_(size)``, which no dispatch mode sees."""
+    made_before = torch.empty(1024)  # a gathered parameter between steps: kept, empty
+    made_before.untyped_storage().resize_(0)
+    with measure_peak("cpu") as peak:
+        made_inside = torch.empty(512)  # 2 KiB
+        made_inside.untyped_storage().resize_(0)  # freed: the count goes down
+        made_before.untyped_storage().resize_(4096)  # re-gathered: 4 KiB from now
+        made_before.untyped_storage().resize_(0)
+        made_inside.untyped_storage().resize_(2048)  # 2 KiB again
+        made_before.untyped_storage().resize_(4096)  # both alive: 6 KiB
+        made_before.untyped_storage().resize_(0)
+        made_inside.untyped_storage().resize_(0)
+    assert peak.peak_bytes == 6144
+    assert torch.UntypedStorage.resize_ is _PLAIN_RESIZE  # put back once no counter is open
+
+
+_PLAIN_RESIZE = torch.UntypedStorage.resize_
