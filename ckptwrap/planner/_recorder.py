@@ -249,11 +249,19 @@ class StepRecorder:
             self._guarded(self._book.saved, tensor)
 
     def _base_pack(self, tensor: torch.Tensor) -> Any:
+        """Note what the forward saves outside the candidates, and hand it on: packed by
+        the hooks in force, if any, else detached (as ``Tally.pack`` keeps it; autograd
+        gives it back its ``grad_fn`` when it unpacks it). Kept as it is, an operator's
+        own output saved by its node (``exp`` saves its result) would hold that node
+        through its ``grad_fn``: a cycle through C++ that no garbage collection breaks,
+        freed only if the backward runs the node. An output the loss never reads then
+        outlived the step, unlike unmetered (Wan's VAE: its posterior's ``std`` and
+        ``var``, and through them the moments they came from: 6,144 bytes)."""
         # While a region saves its own inputs on entry, it is that region keeping them.
         if self.failed is None and saved_observer() is None and not is_recomputing():
             self._guarded(self._book.base_saved, tensor)
         outer = self._outer_hooks
-        return tensor if outer is None else outer[0](tensor)
+        return tensor.detach() if outer is None else outer[0](tensor)
 
     def _base_unpack(self, packed: Any) -> torch.Tensor:
         outer = self._outer_hooks

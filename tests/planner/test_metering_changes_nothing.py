@@ -8,15 +8,20 @@ Read at the CPU allocator (an independent meter): a lazy budget no plan reaches 
 its first step with every candidate checkpointed, which must peak as ``blocks`` does with
 no planner; its later steps run one plan, checked at some steps and not at others, and
 must peak alike; each within 0.5% of the plain step, on the catalogue's families (state-space and hybrid
-ones included) and on 3-D convolutions, whose predicted peak must be within 3% of the
-allocator's.
+ones included), on 3-D convolutions, whose predicted peak must be within 3% of the
+allocator's, and on Wan's video autoencoder, whose blocks take a list of cached frames
+that the model replaces and whose predicted peaks must be within 0.5%. Nothing the
+measured step keeps outlives what the step unmetered keeps: neither an argument its
+caller lets go of, nor an output the loss never reads.
 """
 
 from __future__ import annotations
 
 import copy
+import gc
 import sys
 import warnings
+import weakref
 from pathlib import Path
 
 import pytest
@@ -124,11 +129,18 @@ def test_three_dimensional_convolutions_are_metered_as_they_run_and_predicted_wi
     assert abs(planned.predicted_peak - unmetered) <= 0.03 * plain, (planned.predicted_peak, unmetered)
 
 
-def test_a_video_autoencoder_with_a_feature_cache_is_predicted_within_3_percent():
+def test_a_video_autoencoder_with_a_feature_cache_is_predicted_within_half_a_percent():
     # Diffusers' Wan VAE hands every causal convolution a list of the last frames of the
     # chunk before; nothing saves them, so a plain step frees each when the next chunk
     # replaces it, while the checkpoints that took one hold it. Counted as held under
     # any plan, they put the plain peak 6.5% high.
+    #
+    # Both steps peak in the backward of the decoder's last convolution (the first one
+    # the backward reaches), once the loss's ``square`` has let go of the reconstruction: the
+    # step measured here drops the output once the loss is made, as ``loss_fn`` tells
+    # ``plan`` it does. A step that keeps it (``out = model(**batch)``, then the loss)
+    # peaks one reconstruction (55,296 bytes, 1.6% of the plain peak) higher: what
+    # ``plan`` without ``loss_fn`` takes the step to keep.
     pytest.importorskip("diffusers")
     from _diffusion import TINY, Tiny
 
@@ -149,5 +161,71 @@ def test_a_video_autoencoder_with_a_feature_cache_is_predicted_within_3_percent(
     plain = peak(tiny.build())
     blocks = peak(ckptwrap.wrap_model(tiny.build(), "blocks"))
     planned = ckptwrap.plan(tiny.build(), "blocks", example_kwargs=batch, loss_fn=Tiny.loss)
-    assert abs(planned.plain_peak - plain) <= 0.03 * plain, (planned.plain_peak, plain)
-    assert abs(planned.predicted_peak - blocks) <= 0.03 * plain, (planned.predicted_peak, blocks)
+    assert abs(planned.plain_peak - plain) <= SHARE * plain, (planned.plain_peak, plain)
+    assert abs(planned.predicted_peak - blocks) <= SHARE * plain, (planned.predicted_peak, blocks)
+
+
+def test_a_video_autoencoder_with_a_feature_cache_is_measured_as_blocks_runs_unmetered():
+    # The measured step once peaked 1.7% of the plain peak above blocks: each block's
+    # record of its call held the VAE's list of cached frames, which the VAE replaces at
+    # the end of its encode and of its decode, so the frames the last chunk wrote stayed
+    # alive until the backward; and the posterior's std and var, which the loss never
+    # reads, were saved by their own nodes as they were, a cycle no collection breaks.
+    pytest.importorskip("diffusers")
+    from _diffusion import TINY
+
+    tiny = TINY["AutoencoderKLWan"]
+    _check(*_compare(tiny.build(), tiny.batch()))
+
+
+class _CachedBlock(nn.Module):
+    """A causal block over chunks of a sequence: it reads the last row the chunk before
+    left in the list it is given, and leaves its own there."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, cache: list, index: int) -> torch.Tensor:
+        before = cache[index]
+        out = x + torch.tanh(self.linear(x if before is None else x + before))
+        cache[index] = out[-1:].clone()
+        return out
+
+
+class _Chunked(nn.Module):
+    """Blocks run chunk by chunk over one list of cached rows (a video VAE's shape), and a
+    side output no loss reads: ``exp`` saves its own result."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.stem = nn.Linear(width, width)
+        self.blocks = nn.ModuleList(_CachedBlock(width) for _ in range(3))
+        self.last_cached = self.side = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        self.side = weakref.ref(x.exp())
+        cache = [None] * len(self.blocks)
+        chunks = []
+        for chunk in x.split(4):
+            for index, block in enumerate(self.blocks):
+                chunk = block(chunk, cache, index)
+            chunks.append(chunk)
+        self.last_cached = weakref.ref(cache[-1])
+        return torch.cat(chunks)
+
+
+def test_a_measured_step_keeps_nothing_its_forward_lets_go_of():
+    torch.manual_seed(0)
+    model = ckptwrap.wrap_model(_Chunked(), "budget:1B")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        out = model(torch.randn(12, 8))  # the measured step
+        gc.collect()
+        # The row the last block wrote, which no later call took: a step unmetered frees
+        # it with the list; the record of each block's call must not hold the list.
+        assert model.last_cached() is None
+        # Saved by exp's own node and never read: freed when the forward drops it.
+        assert model.side() is None
+        _loss(out).backward()
