@@ -21,6 +21,7 @@ import copy
 import dataclasses
 import gc
 import inspect
+import math
 import random
 import time
 from typing import Any, Dict, List, Optional, Tuple
@@ -48,35 +49,43 @@ Step = Tuple[int, int, int, bool]
 """(rows, length, seed, padded) of one forward."""
 
 
-def schedule(arch: Any, loop: str, steps: int, seed: int = 0) -> List[List[Step]]:
-    """Per training step, the forwards it runs (two micro-batches when accumulating)."""
+def schedule(arch: Any, loop: str, steps: int, seed: int = 0, grow: bool = False) -> List[List[Step]]:
+    """Per training step, the forwards it runs (two micro-batches when accumulating).
+    Lengths are drawn at random, the longest once and early; with ``grow``, they grow
+    instead from the shortest to the longest, by one factor each step (a curriculum, or a
+    loop's first steps while it meets longer and longer batches)."""
     rng = random.Random(f"{arch.name}-{loop}-{seed}")
     low, high = arch.lengths
     plan: List[List[Step]] = []
     for step in range(steps):
-        length = high if step == steps // 3 else rng.randint(low, high)  # the longest once, early
+        if grow:
+            length = round(low * (high / low) ** (step / max(1, steps - 1)))
+        else:
+            length = high if step == steps // 3 else rng.randint(low, high)  # the longest once, early
         if loop == "padded":
             rows = rng.choice((4, 3, 2))
             plan.append([(rows, length, step, True)])
         elif loop == "accumulate":
-            other = rng.randint(low, high)
+            other = length if grow else rng.randint(low, high)
             plan.append([(2, length, 2 * step, False), (2, other, 2 * step + 1, False)])
         else:
             plan.append([(4, length, step, False)])
     return plan
 
 
-def budget_for(arch: Any, model: nn.Module, device: str = "cpu") -> int:
+def budget_for(arch: Any, model: nn.Module, device: str = "cpu", percent: bool = False) -> int:
     """Bytes halfway between the least peak any plan reaches and the plain peak, at the
     longest length, as the planner predicts both on a copy: in reach at every shape, and
-    below the plain peak at the longest, so that long batches checkpoint."""
+    below the plain peak at the longest, so that long batches checkpoint. With
+    ``percent``, that share of the plain peak, in whole percent."""
     batch = _inputs(model, arch, (4, arch.lengths[1], 0, False), device)
     every = ckptwrap.plan(copy.deepcopy(model), arch.candidates or "blocks", example_kwargs=batch)
-    return (every.predicted_peak + every.plain_peak) // 2
+    budget = (every.predicted_peak + every.plain_peak) // 2
+    return math.ceil(100 * budget / every.plain_peak) if percent else budget
 
 
-def _policy(arch: Any, budget: int) -> str:
-    return ";".join(filter(None, (arch.candidates, f"budget:{budget}B")))
+def _policy(arch: Any, budget: int, percent: bool = False) -> str:
+    return ";".join(filter(None, (arch.candidates, f"budget:{budget}{'%' if percent else 'B'}")))
 
 
 def _inputs(model: nn.Module, arch: Any, forward: Step, device: str = "cpu") -> Dict[str, Any]:
@@ -158,7 +167,7 @@ class MemoryResult:
     """The largest share (of the same) by which a solved step's peak passed its prediction."""
 
 
-def shortfalls(result: MemoryResult, arch: Any, loop: str, steps: int) -> List[str]:
+def shortfalls(result: MemoryResult, arch: Any, loop: str, steps: int, grow: bool = False) -> List[str]:
     """What a memory pass of ``steps`` steps fell short of, in words (none: it held)."""
     if result.error is not None:
         return [result.error]
@@ -169,15 +178,19 @@ def shortfalls(result: MemoryResult, arch: Any, loop: str, steps: int) -> List[s
         found.append("a loss or gradient differs from the plain model's")
     if not result.unchanged:
         found.append("planning left the model changed")
-    forwards = sum(len(step) for step in schedule(arch, loop, steps))
+    forwards = sum(len(step) for step in schedule(arch, loop, steps, grow=grow))
     if not 1 <= result.measured < forwards:
         found.append(f"{result.measured} of {forwards} forwards measured")
     return found
 
 
-def memory_pass(arch: Any, loop: str, steps: int, device: str = "cpu") -> MemoryResult:
+def memory_pass(
+    arch: Any, loop: str, steps: int, device: str = "cpu", grow: bool = False, percent: bool = False,
+) -> MemoryResult:
     """Train the budget and the plain model side by side; every forward and backward read
-    at the allocator (around each micro-step, from fresh or accumulated gradients)."""
+    at the allocator (around each micro-step, from fresh or accumulated gradients). With
+    ``percent``, the budget is a share of the plain peak (``budget:NN%``), held to that
+    share of the largest plain peak read so far."""
     template = arch.build().to(device)
     plain = copy.deepcopy(template)
     model = copy.deepcopy(template)
@@ -185,12 +198,12 @@ def memory_pass(arch: Any, loop: str, steps: int, device: str = "cpu") -> Memory
     if torch.device(device).type != "cpu":
         _warm(device)
     try:
-        result.budget = budget_for(arch, template, device)
-        ckptwrap.wrap_model(model, _policy(arch, result.budget))
+        result.budget = budget_for(arch, template, device, percent)
+        ckptwrap.wrap_model(model, _policy(arch, result.budget, percent))
         hook = next(h for h in model._forward_pre_hooks.values() if hasattr(h, "planner"))
         optimizers = [torch.optim.SGD(m.parameters(), lr=_LR) for m in (model, plain)]
         largest = 0
-        for index, forwards in enumerate(schedule(arch, loop, steps)):
+        for index, forwards in enumerate(schedule(arch, loop, steps, grow=grow)):
             for each, optimizer in zip((model, plain), optimizers):
                 optimizer.zero_grad(set_to_none=True)
             for micro, forward in enumerate(forwards):
@@ -213,7 +226,13 @@ def memory_pass(arch: Any, loop: str, steps: int, device: str = "cpu") -> Memory
                     missed = (peaks[0] - followed.decision.choice.predicted_peak) / max(largest, 1)
                     result.worst_prediction = max(result.worst_prediction, abs(missed))
                     result.worst_under = max(result.worst_under, missed)
-                over = (peaks[0] - result.budget) / max(largest, 1)
+                limit = result.budget
+                if percent:
+                    # A share of a short batch's peak may be out of any plan's reach (the
+                    # gradients alone pass it): the plan of least memory's, as predicted.
+                    applied = model.ckptwrap_plan
+                    limit = max(result.budget * largest / 100, applied.predicted_peak or 0)
+                over = (peaks[0] - limit) / max(largest, 1)
                 result.worst_over = max(result.worst_over, over)
                 result.steps_over += over > OVER
                 result.exact &= torch.equal(losses[0], losses[1]) and _same_grads(model, plain)
@@ -239,7 +258,9 @@ class TimeResult:
         return self.budget_s / self.blocks_s
 
 
-def time_pass(arch: Any, loop: str, steps: int, budget: int, device: str = "cpu") -> TimeResult:
+def time_pass(
+    arch: Any, loop: str, steps: int, budget: int, device: str = "cpu", grow: bool = False, percent: bool = False,
+) -> TimeResult:
     """The budget and ``blocks`` taking turns step by step, nothing metered.
 
     A row whose ``blocks`` loop takes less than ``SHORTEST`` seconds is run again, from
@@ -254,24 +275,26 @@ def time_pass(arch: Any, loop: str, steps: int, budget: int, device: str = "cpu"
     allocates during the run is collected as usual."""
     totals = {"budget": 0.0, "blocks": 0.0}
     for _ in range(REPEATS):
-        for name, seconds in _timed_run(arch, loop, steps, budget, device).items():
+        for name, seconds in _timed_run(arch, loop, steps, budget, device, grow, percent).items():
             totals[name] += seconds
         if totals["blocks"] >= SHORTEST:
             break
     return TimeResult(totals["budget"], totals["blocks"])
 
 
-def _timed_run(arch: Any, loop: str, steps: int, budget: int, device: str) -> Dict[str, float]:
+def _timed_run(
+    arch: Any, loop: str, steps: int, budget: int, device: str, grow: bool = False, percent: bool = False,
+) -> Dict[str, float]:
     """One run of the loop for each model, from fresh models: seconds per model."""
     template = arch.build().to(device)
-    models = {"budget": ckptwrap.wrap_model(copy.deepcopy(template), _policy(arch, budget)),
+    models = {"budget": ckptwrap.wrap_model(copy.deepcopy(template), _policy(arch, budget, percent)),
               "blocks": ckptwrap.wrap_model(copy.deepcopy(template), arch.candidates or "blocks")}
     optimizers = {name: torch.optim.SGD(m.parameters(), lr=_LR) for name, m in models.items()}
     totals = {name: 0.0 for name in models}
     gc.collect()
     gc.freeze()
     try:
-        for index, forwards in enumerate(schedule(arch, loop, steps)):
+        for index, forwards in enumerate(schedule(arch, loop, steps, grow=grow)):
             order = list(models) if index % 2 == 0 else list(reversed(list(models)))
             for name in order:
                 _synchronize(device)

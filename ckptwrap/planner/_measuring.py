@@ -38,6 +38,7 @@ from ..policy import Budget
 from ._module_costs import ModelProfile
 from ._fit import CostFit, Form, ShapesDiffer
 from ._inputs import InputLayout, read_layout
+from ._poly import basis
 
 __all__ = ["LayoutCosts", "Layouts", "PlanSettings", "is_measuring", "measuring"]
 
@@ -49,8 +50,13 @@ still be trusted."""
 _TRUST_OVER = 0.10
 """How far above it."""
 _EXTEND = 1.1
-"""A trusted fit stands for sizes up to this multiple of the largest measured (any smaller
-size: costs there are smaller, and a miss is caught by the checks)."""
+"""A fit that predicted one measured step stands for sizes up to this multiple of the
+largest measured (any smaller size: costs there are smaller, and a miss is caught by the
+checks)."""
+_REACH = 2.0
+"""The furthest a fit stands past the largest size measured, as a multiple of it: its
+reach doubles its share past ``_EXTEND`` for each further step it predicted at sizes
+beyond those it was fitted on."""
 _KEPT = 12
 """Measured profiles kept per layout: the extremes of each variable and the most recent."""
 _REMEASURE = 0.03
@@ -153,6 +159,9 @@ class LayoutCosts:
         # The form of a fit that predicted a step it was not fitted on: later fits keep
         # to it (more samples, the same monomials) until it fails to predict one.
         self._form: Optional[Form] = None
+        # The steps measured past the sizes it was fitted on that the form predicted, one
+        # after another: how far past them it stands (``_reach``).
+        self._confirmed = 0
         # Evaluations of the current fit, by sizes (a loop meets a shape many times).
         self._fitted: Dict[Sizes, ModelProfile] = {}
         self._covered: Dict[Sizes, bool] = {}
@@ -258,8 +267,9 @@ class LayoutCosts:
         known = self._covered.get(sizes)
         if known is not None:
             return known
+        reach = self._reach()
         covered = all(
-            size <= max(point[index] for point in fit.points) * _EXTEND for index, size in enumerate(sizes)
+            size <= max(point[index] for point in fit.points) * reach for index, size in enumerate(sizes)
         )
         if covered:
             leeway = fit.leeway(sizes)
@@ -268,6 +278,10 @@ class LayoutCosts:
         while len(self._covered) > _EVALUATED:
             del self._covered[next(iter(self._covered))]
         return covered
+
+    def _reach(self) -> float:
+        """How far past the largest measured sizes the trusted fit stands (see the module)."""
+        return min(_REACH, 1 + (_EXTEND - 1) * 2 ** max(0, self._confirmed - 1))
 
     def widen(self, layout: InputLayout) -> None:
         """The layout, :meth:`InputLayout.widened` by inputs that gave some of its
@@ -298,7 +312,9 @@ class LayoutCosts:
             under, over = misses(fit.profile_at(sizes), profile)
             was = self.trusted
             self.trusted = under <= _TRUST_UNDER and over <= _TRUST_OVER
-            self._form = fit.powers if self.trusted else None
+            self._form = (self._richer(sizes, profile) or fit.powers) if self.trusted else None
+            further = any(size > max(point[index] for point in fit.points) for index, size in enumerate(sizes))
+            self._confirmed = 0 if not self.trusted else self._confirmed + 1 if further or not was else self._confirmed
             said = (
                 f"the fit predicted it within {max(under, over):.1%}"
                 if self.trusted
@@ -313,6 +329,23 @@ class LayoutCosts:
         self._refit()
         return said
 
+    def _richer(self, sizes: Sizes, profile: ModelProfile) -> Optional[Form]:
+        """More monomials than the trusted fit's, where the measured shapes tell them
+        apart and a fit of them all predicted the step at ``sizes`` as well, from the
+        shapes measured before it: the monomials a form leaves out are those a loop
+        that grows would otherwise measure for (``CostFit.leeway``)."""
+        fit = self.fit
+        assert fit is not None
+        names, batched = self.layout.names, self.layout.batched
+        if len(basis(names, list(self.profiles), batched)) <= len(fit.powers):
+            return None  # the shapes tell no more apart
+        try:
+            fuller = CostFit(names, list(self.profiles.items()), batched=batched)
+        except ShapesDiffer:
+            return None
+        under, over = misses(fuller.profile_at(sizes), profile)
+        return fuller.powers if under <= _TRUST_UNDER and over <= _TRUST_OVER else None
+
     def missed(self, sizes: Sizes, share: float, source: str) -> None:
         """A checked step at ``sizes`` peaked ``share`` of the un-checkpointed peak above
         its prediction from ``source`` costs."""
@@ -320,7 +353,11 @@ class LayoutCosts:
         self.margin = max(self.margin, min(0.5, share + _MARGIN_SLACK))
         if source != "measured" and share > _REMEASURE:
             self.remeasure.add(sizes)
+            # The form did not hold where it reached: it stands a tenth past what it was
+            # fitted on again, until it predicts further steps.
+            self._confirmed = 0
             self._known.clear()
+            self._covered.clear()
 
     def _bound(self) -> None:
         """At most ``_KEPT`` profiles: the extremes of each variable stay, then the newest."""
@@ -363,6 +400,7 @@ class LayoutCosts:
         self.fit = CostFit(names, alike or [samples[-1]], batched=batched)
         self.trusted = False
         self._form = None
+        self._confirmed = 0
 
 
 class Layouts:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import math
 import random
 import sys
@@ -255,6 +256,30 @@ def test_a_tiny_first_batch_then_many_shapes_stay_bounded():
     assert planner.measurements <= 40, planner.measurements  # the fit stood for the rest
     assert len(planner._layouts) <= 8 and len(planner._cache.plans) <= 64 and len(planner._cache.plain) <= 64
     assert all(len(costs.profiles) <= 12 for costs in planner._layouts.values())
+
+
+def test_lengths_that_grow_every_step_are_measured_at_fewer_and_fewer_of_them(caplog):
+    # A curriculum: every step's length is 15% past the last, past the tenth a fit first
+    # reaches beyond what it was fitted on. A fit that goes on predicting the steps
+    # measured further out reaches further, so most lengths are planned from it; every
+    # step stays within its budget (a share of its own un-checkpointed peak, the largest
+    # so far) and trains as the plain model does.
+    model, plain = _gpt(layers=2, dropout=0.0), _gpt(layers=2, dropout=0.0)
+    wrap_model(model, "budget:60%")
+    lengths = [round(8 * 1.15 ** step) for step in range(24)]  # 8 -> 200
+    with caplog.at_level(logging.INFO, logger="ckptwrap"):
+        for index, length in enumerate(lengths):
+            batch = _batch(length, rows=2)
+            model.zero_grad(set_to_none=True)
+            peak = allocator_step_peak(lambda: _step(model, batch))
+            plain.zero_grad(set_to_none=True)
+            plain_peak = allocator_step_peak(lambda: _step(plain, batch))
+            assert_same(grads(model), grads(plain), f"gradients at length {length}")
+            applied = model.ckptwrap_plan
+            limit = max(applied.budget, applied.predicted_peak or 0)
+            assert peak <= limit + OVER * plain_peak, (index, length, peak, applied.budget, plain_peak)
+    measured = [r.getMessage() for r in caplog.records if "measured a training step" in r.getMessage()]
+    assert 4 <= len(measured) <= 10, "\n".join(measured)
 
 
 def test_a_budget_out_of_reach_is_solved_within_the_step_it_plans():
