@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import importlib
+import sys
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -26,6 +27,7 @@ __all__ = [
     "dropout_classes",
     "fake_tensor",
     "fallbacks_in_use",
+    "fsdp2_params",
     "function_mode_stack",
     "global_forward_pre_hooks",
     "graph_exec_group",
@@ -333,6 +335,45 @@ def _saved_tensors_hooks_readers() -> Tuple[Callable[[], bool], Callable[[], Any
 # counted as kept by the model, not the candidate: predictions from the same measured
 # step, a little less tight).
 saved_tensors_hooks_enabled, top_saved_tensors_hooks = _saved_tensors_hooks_readers()
+
+
+def fsdp2_params(model: nn.Module) -> List[Any]:
+    """FSDP2's record of each parameter it shards in ``model`` (its ``FSDPParam``: the
+    sharded parameter the model registers between steps in ``sharded_param``, the gathered
+    one its forward and backward compute with in ``_unsharded_param``, once gathered, and
+    an unreduced gradient it accumulates without syncing in ``unsharded_accumulated_grad``),
+    each once; none for a model ``fully_shard`` was not applied to.
+
+    Read through ``FSDPModule._get_fsdp_state()``, its state's ``_fsdp_param_group`` and
+    the group's ``fsdp_params`` (torch 2.6 and later, where ``fully_shard`` is public).
+    Only an FSDP module already imported is consulted: a model cannot hold an FSDP2 unit
+    unless it was. Fallback, where any of these is missing (named in ``fallbacks_in_use``
+    once met): none found, so a measured step
+    of an FSDP2 model computes its gradients as any other model's (``_profile``), without
+    FSDP2's reduce-scatter of them."""
+    module_class = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    if not isinstance(module_class, type):
+        return []
+    found: Dict[int, Any] = {}
+    for module in model.modules():
+        if not isinstance(module, module_class):
+            continue
+        state = getattr(module, "_get_fsdp_state", None)
+        state = state() if callable(state) else None
+        if not hasattr(state, "_fsdp_param_group"):
+            return _fsdp2_fell_back("FSDPModule._get_fsdp_state()._fsdp_param_group")
+        group = state._fsdp_param_group  # None for a unit with no parameters of its own
+        for fsdp_param in getattr(group, "fsdp_params", None) or ():
+            if not hasattr(fsdp_param, "sharded_param"):
+                return _fsdp2_fell_back("FSDPParam.sharded_param")
+            found.setdefault(id(fsdp_param), fsdp_param)
+    return list(found.values())
+
+
+def _fsdp2_fell_back(name: str) -> List[Any]:
+    if name not in _FELL_BACK:
+        _FELL_BACK.append(name)
+    return []
 
 
 class _FakeTensors(NamedTuple):

@@ -6,8 +6,18 @@ and a model sharded on the meta device refused with what to do instead.
 FSDP2 frees a layer's all-gathered parameters with ``untyped_storage().resize_(0)`` and
 gathers them again into the same storage, which no dispatch mode sees: counted as made
 and never freed, every layer's gathered parameters were held at once (+5.9% at two
-ranks, +8.8% at eight, under ``blocks``). Each case runs in a process of its own (the
-fake group is process-wide)."""
+ranks, +8.8% at eight, under ``blocks``). The measured backward asked
+``torch.autograd.grad`` for the registered parameters' gradients, so no layer's were
+computed and FSDP2 reduce-scattered none: at 512 tokens, where the end of the backward
+peaks, its sharded gradients and reduce-scatter input were missing (-2.2% at two ranks,
+now exact). Each case runs in a process of its own (the fake group is process-wide).
+
+With nothing recomputed the tracker reads more than a real step holds: on fake tensors
+Hugging Face's mask code takes the position ids for packed sequences (a fake tensor
+counts as tracing there), so every layer's attention makes and keeps a float causal mask
+of its own (4 MiB at 1024 tokens), which a step on real tensors, and the planned step
+(tiny factories run for real), never make; FSDPMemTracker on real tensors reads what is
+planned. Hence 3% there."""
 
 from __future__ import annotations
 
@@ -33,11 +43,15 @@ def _run(*argv: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("world_size, policy", [(2, "blocks"), (8, "none")])
-def test_the_iteration_peak_per_rank_is_fsdp_mem_trackers(world_size, policy):
-    found = _run(str(world_size), policy)
+@pytest.mark.parametrize(
+    "world_size, policy, tokens, within",
+    [(2, "blocks", 1024, 0.01), (2, "blocks", 512, 0.01), (8, "none", 1024, 0.03)],
+)
+def test_the_iteration_peak_per_rank_is_fsdp_mem_trackers(world_size, policy, tokens, within):
+    found = _run(str(world_size), policy, str(tokens))
     assert found["sharded"], "FSDP2's parameters were swapped for stand-ins"
-    assert abs(found["predicted"] - found["tracked"]) <= 0.03 * found["tracked"], found
+    assert found["no_grads"], "planning left gradients on the model or in FSDP2's state"
+    assert abs(found["predicted"] - found["tracked"]) <= within * found["tracked"], found
 
 
 def test_a_model_sharded_on_the_meta_device_is_refused_saying_to_use_fake_tensors():
