@@ -87,6 +87,12 @@ class CallBook:
                 self.state_storages.setdefault(storage, None)
             self.excluded.setdefault(storage, None)
 
+    def gathered(self, module: nn.Module) -> None:
+        """``module`` is called: its parameters and buffers as they are now (an FSDP2
+        unit's as gathered for the call) are state, never counted (see :meth:`exclude`)."""
+        for tensor in [*module.parameters(), *module.buffers()]:
+            self.exclude(tensor, state=True)
+
     def base_saved(self, tensor: torch.Tensor) -> None:
         """A tensor the forward saves outside every region: kept by a candidate called
         outside any region (the model itself, as a candidate), else by the base."""
@@ -101,8 +107,7 @@ class CallBook:
             return None  # inside a call of itself: measured as part of the outer call
         # A module's parameters and buffers as it is called (FSDP2 gathers them just
         # before): its state, never an activation it keeps.
-        for tensor in [*record.module.parameters(), *record.module.buffers()]:
-            self.exclude(tensor, state=True)
+        self.gathered(record.module)
         inputs = tensors((args, kwargs))
         input_storages = StorageMap.of(inputs)
         tally = Tally(self.excluded, inputs=input_storages)

@@ -3,11 +3,14 @@ against torch's FSDPMemTracker over two training iterations of the same model, s
 inputs and optimizer. Run as a script (the fake group is process-wide state):
 
     python _fsdp2_fake_rank.py WORLD_SIZE POLICY [TOKENS]   # or POLICY "meta": a meta model
+    python _fsdp2_fake_rank.py WORLD_SIZE plain TOKENS LAYERS
 
 prints one JSON line: the plan's iteration peak per rank and the tracker's, whether
 FSDP2's sharded parameters are still the model's after planning and whether planning
 left any gradient on the model, FSDP2's or the model's (or, for "meta", the refusal's
-message).
+message; for "plain", the un-checkpointed step's peak as ``none`` measures it and as
+``blocks`` derives it from a step with every layer checkpointed, on a model of LAYERS
+layers).
 
 Before the tracked iterations one iteration runs untracked on a model of its own, the
 same otherwise: DTensor computes what an operator gives on shards once per operator and
@@ -42,11 +45,11 @@ def _loss(out):
     return out.logits.float().mean()
 
 
-def _model(mesh):
+def _model(mesh, layers=4):
     import transformers
 
     config = transformers.LlamaConfig(
-        vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+        vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=layers,
         num_attention_heads=8, num_key_value_heads=8, use_cache=False,
     )
     model = transformers.LlamaForCausalLM(config).train()
@@ -65,6 +68,24 @@ def _iteration(model, optimizer, ids):
     _loss(model(input_ids=ids)).backward()
     optimizer.step()
     optimizer.zero_grad()
+
+
+def plain(world_size: int, tokens: int, layers: int) -> None:
+    """The un-checkpointed step's peak per rank, measured (``none``) and derived from the
+    step with every layer checkpointed (``blocks``)."""
+    warnings.simplefilter("ignore")
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    mesh = init_device_mesh("cpu", (world_size,))
+    ids = torch.randint(32000, (1, tokens), generator=torch.Generator().manual_seed(0))
+    with FakeTensorMode() as mode:
+        model = _model(mesh, layers)
+        fake_ids = mode.from_tensor(ids)
+        found = {
+            policy: ckptwrap.plan(model, policy, example_kwargs={"input_ids": fake_ids}, loss_fn=_loss).plain_peak
+            for policy in ("none", "blocks")
+        }
+    dist.destroy_process_group()
+    print(json.dumps(found))
 
 
 def main(world_size: int, policy: str, tokens: int = 1024) -> None:
@@ -126,4 +147,7 @@ def main(world_size: int, policy: str, tokens: int = 1024) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2], *map(int, sys.argv[3:4]))
+    if sys.argv[2] == "plain":
+        plain(int(sys.argv[1]), int(sys.argv[3]), int(sys.argv[4]))
+    else:
+        main(int(sys.argv[1]), sys.argv[2], *map(int, sys.argv[3:4]))
