@@ -28,6 +28,7 @@ __all__ = [
     "fake_tensor",
     "fallbacks_in_use",
     "fsdp2_params",
+    "fsdp2_units",
     "function_mode_stack",
     "global_forward_pre_hooks",
     "graph_exec_group",
@@ -351,13 +352,8 @@ def fsdp2_params(model: nn.Module) -> List[Any]:
     once met): none found, so a measured step
     of an FSDP2 model computes its gradients as any other model's (``_profile``), without
     FSDP2's reduce-scatter of them."""
-    module_class = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
-    if not isinstance(module_class, type):
-        return []
     found: Dict[int, Any] = {}
-    for module in model.modules():
-        if not isinstance(module, module_class):
-            continue
+    for module in fsdp2_units(model):
         state = getattr(module, "_get_fsdp_state", None)
         state = state() if callable(state) else None
         if not hasattr(state, "_fsdp_param_group"):
@@ -368,6 +364,16 @@ def fsdp2_params(model: nn.Module) -> List[Any]:
                 return _fsdp2_fell_back("FSDPParam.sharded_param")
             found.setdefault(id(fsdp_param), fsdp_param)
     return list(found.values())
+
+
+def fsdp2_units(model: nn.Module) -> List[nn.Module]:
+    """The modules of ``model`` that FSDP2's ``fully_shard`` made units (each gathers its
+    parameters as it is called, through the public ``FSDPModule``); none where FSDP2 was
+    never imported, since a model cannot hold a unit unless it was."""
+    unit = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    if not isinstance(unit, type):
+        return []
+    return [module for module in model.modules() if isinstance(module, unit)]
 
 
 def _fsdp2_fell_back(name: str) -> List[Any]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -103,7 +102,7 @@ class StepRecorder:
         for name, module in self._nested:
             self._handles.append(module.register_forward_pre_hook(self._nested_pre, with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._nested_post, always_call=True))
-        for unit in _fsdp2_units(model):
+        for unit in _torch_private.fsdp2_units(model):
             # After FSDP2's own pre-hook (put first), which gathers the unit's parameters.
             self._handles.append(unit.register_forward_pre_hook(self._unit_gathered))
         for param in model.parameters():
@@ -317,16 +316,6 @@ class StepRecorder:
             base_bytes=book.base.bytes,
             step=step,
         )
-
-
-def _fsdp2_units(model: nn.Module) -> List[nn.Module]:
-    """The modules of ``model`` that FSDP2's ``fully_shard`` made units (each gathers its
-    parameters as it is called); none where FSDP2 was never imported, since a model
-    cannot hold a unit unless it was."""
-    unit = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
-    if not isinstance(unit, type):
-        return []
-    return [module for module in model.modules() if isinstance(module, unit)]
 
 
 def _grown(phases: List[Any], accumulated: List[Tuple[int, int]]) -> List[Any]:
