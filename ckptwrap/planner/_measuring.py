@@ -30,7 +30,7 @@ import contextlib
 import contextvars
 import dataclasses
 import math
-from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -268,9 +268,7 @@ class LayoutCosts:
         if known is not None:
             return known
         reach = self._reach()
-        covered = all(
-            size <= max(point[index] for point in fit.points) * reach for index, size in enumerate(sizes)
-        )
+        covered = all(size <= largest * reach for size, largest in zip(sizes, _largest(fit.points)))
         if covered:
             leeway = fit.leeway(sizes)
             covered = leeway is not None and leeway[0] <= _TRUST_UNDER and leeway[1] <= _TRUST_OVER
@@ -313,8 +311,10 @@ class LayoutCosts:
             was = self.trusted
             self.trusted = under <= _TRUST_UNDER and over <= _TRUST_OVER
             self._form = (self._richer(sizes, profile) or fit.powers) if self.trusted else None
-            further = any(size > max(point[index] for point in fit.points) for index, size in enumerate(sizes))
-            self._confirmed = 0 if not self.trusted else self._confirmed + 1 if further or not was else self._confirmed
+            if not self.trusted:
+                self._confirmed = 0
+            elif not was or any(size > largest for size, largest in zip(sizes, _largest(fit.points))):
+                self._confirmed += 1  # trusted now, or predicted further out than it was fitted
             said = (
                 f"the fit predicted it within {max(under, over):.1%}"
                 if self.trusted
@@ -486,6 +486,11 @@ def misses(predicted: ModelProfile, measured: ModelProfile) -> Tuple[float, floa
     under = max(0, max(real - mine for mine, real in pairs)) / scale
     over = max(0, max(mine - real for mine, real in pairs)) / scale
     return under, over
+
+
+def _largest(points: Sequence[Sizes]) -> Sizes:
+    """The largest size of each shape variable among ``points``."""
+    return tuple(max(sizes) for sizes in zip(*points))
 
 
 def _growth(names: Tuple[str, ...], point: Sizes, sizes: Sizes) -> float:
