@@ -2,8 +2,8 @@
 every outermost candidate checkpointed, the step's loss backpropagated with
 ``torch.autograd.grad`` (the model's ``.grad`` fields untouched; a model sharded by
 FSDP2, or one with a re-entrant region, backpropagates into fresh ``.grad`` fields put
-back after), and a recorder (``_recorder``) fed by the candidates as they run and are
-recomputed.
+back after, FSDP2's counted storage by storage through its hooks), and a recorder
+(``_recorder``) fed by the candidates as they run and are recomputed.
 
 This is how costs are measured where the caller hands example inputs (``plan``,
 ``wrap_model(..., example_inputs=...)``, the doctor, the command line); a wrapped model
@@ -220,25 +220,27 @@ def _measure(
                 del output
             recorder.phases.follow(roots)
             wanted = [p for p in model.parameters() if p.requires_grad]
-            # Under modes already (a step on fake tensors) the counter joins them for the
-            # whole backward: what hooks run between nodes allocate counts too (FSDP2's
-            # all-gather of a layer's parameters in a tensor hook, its reduce-scatter of
-            # the layer's gradients in another), and what they free. There a model
-            # sharded by FSDP2 backpropagates into fresh .grad fields, put back after:
-            # its layers' gradients are FSDP2's to reduce-scatter (see
-            # ``_backward_keeping_grads``). A real step follows its backward's gradients
-            # by where they go, and takes one a parameter's .grad holds as held to the
-            # end, where FSDP2 frees each layer's in its hook: counted so, a tiny GPT on
-            # two ranks read +20% on the CPU under ``blocks``, so a real FSDP2 step keeps
-            # to ``torch.autograd.grad`` (-7% there: its reduce-scatter is missed).
+            # A model sharded by FSDP2 backpropagates into fresh .grad fields, put back
+            # after: its layers' gradients are FSDP2's to reduce-scatter (see
+            # ``_backward_keeping_grads``), and the counter is on the stack for the whole
+            # backward, as on fake tensors (and under a mode of the caller's): what FSDP2's
+            # hooks between nodes allocate and free counts (a layer's all-gather before its
+            # backward, in a tensor hook that runs before any node's pre-hook; its
+            # reduce-scatter after), and so do the resizes that free gathered storages.
+            # Asked with ``torch.autograd.grad`` instead, a real step computed no layer's
+            # gradients, so FSDP2 reduce-scattered none, and its all-gathers ran outside
+            # every node the backward was followed through: on two gloo ranks plans read
+            # 10-33% under FSDPMemTracker on real tensors (``benchmarks/fsdp2_ranks.py``),
+            # now within 0.3%. (Followed node by node into .grad fields, a gathered
+            # gradient FSDP2 frees in its hook was taken as held to the end: +20%.)
             under = _torch_private.dispatch_modes_active()
-            sharded = _torch_private.fsdp2_params(model) if under else []
+            sharded = _torch_private.fsdp2_params(model)
             if roots and wanted and not sharded and reaches_reentrant(roots):
                 _backward_keeping_grads(roots, grads, wanted)
             elif roots and wanted:
                 # Returned, not accumulated: the caller's .grad fields stay as they were
                 # (but for FSDP2's, above).
-                with recorder.phases.inside() if under else contextlib.nullcontext():
+                with recorder.phases.inside() if under or sharded else contextlib.nullcontext():
                     if sharded:
                         _backward_keeping_grads(roots, grads, wanted, sharded)
                     else:
@@ -327,12 +329,11 @@ def _backward_keeping_grads(
     layer's, so none of that ran: the sharded gradients of the layers done and the
     reduce-scatter input FSDP2 keeps in flight were missing from the end of the backward
     (2.2% of a rank's peak at 2 ranks, Llama of width 512, 512 tokens). Here the backward is
-    FSDP2's, as in training (on fake tensors alone, where the counter follows every
-    storage its hooks make and free: see ``_measure``), and every gradient it leaves is
-    put back: each sharded
-    parameter's ``.grad`` (FSDP2 accumulates into one it finds, so it is cleared first,
-    as ``zero_grad`` would), each gathered one's (kept without a sync) and any unreduced
-    gradient FSDP2 accumulates of its own."""
+    FSDP2's, as in training (the counter following every storage its hooks make and
+    free, on fake tensors and real: see ``_measure``), and every gradient it leaves is
+    put back: each sharded parameter's ``.grad`` (FSDP2 accumulates into one it finds,
+    so it is cleared first, as ``zero_grad`` would), each gathered one's (kept without a
+    sync) and any unreduced gradient FSDP2 accumulates of its own."""
     held = [
         tensor
         for fsdp_param in sharded

@@ -2,7 +2,7 @@
 against torch's FSDPMemTracker over two training iterations of the same model, sharding,
 inputs and optimizer. Run as a script (the fake group is process-wide state):
 
-    python _fsdp2_fake_rank.py WORLD_SIZE POLICY [TOKENS]   # or POLICY "meta": a meta model
+    python _fsdp2_fake_rank.py WORLD_SIZE POLICY [TOKENS [SHARDING]]   # or POLICY "meta"
     python _fsdp2_fake_rank.py WORLD_SIZE plain TOKENS LAYERS
 
 prints one JSON line: the plan's iteration peak per rank and the tracker's, whether
@@ -45,17 +45,26 @@ def _loss(out):
     return out.logits.float().mean()
 
 
-def _model(mesh, layers=4):
+SHARDINGS = {"default": {}, "keep-gathered": {"reshard_after_forward": False}, "bf16-params": {"mixed": True}}
+"""FSDP2's defaults; each layer's gathered parameters kept from its forward to its
+backward; bfloat16 parameters with gradients reduced in float32."""
+
+
+def _model(mesh, layers=4, reshard_after_forward=True, mixed=False):
     import transformers
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     config = transformers.LlamaConfig(
         vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=layers,
         num_attention_heads=8, num_key_value_heads=8, use_cache=False,
     )
     model = transformers.LlamaForCausalLM(config).train()
+    options = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if mixed:
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, **options)
+    fully_shard(model, **options)
     return model
 
 
@@ -88,7 +97,7 @@ def plain(world_size: int, tokens: int, layers: int) -> None:
     print(json.dumps(found))
 
 
-def main(world_size: int, policy: str, tokens: int = 1024) -> None:
+def main(world_size: int, policy: str, tokens: int = 1024, sharding: str = "default") -> None:
     warnings.simplefilter("ignore")
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
     mesh = init_device_mesh("cpu", (world_size,))
@@ -105,7 +114,7 @@ def main(world_size: int, policy: str, tokens: int = 1024) -> None:
         dist.destroy_process_group()
         return
     with FakeTensorMode() as mode:
-        planned = _model(mesh)
+        planned = _model(mesh, **SHARDINGS[sharding])
         fake_ids = mode.from_tensor(ids)
         plan = ckptwrap.plan(planned, policy, example_kwargs={"input_ids": fake_ids}, optimizer="adamw", loss_fn=_loss)
         step = plan.plain_peak if policy == "none" else plan.predicted_peak
@@ -125,7 +134,7 @@ def main(world_size: int, policy: str, tokens: int = 1024) -> None:
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
         for warm_up in (True, False):  # see the module
-            model = _model(mesh)
+            model = _model(mesh, **SHARDINGS[sharding])
             if policy != "none":
                 ckptwrap.wrap_model(model, policy)
             # The optimizer as planned on a CPU step: one parameter at a time.
@@ -150,4 +159,4 @@ if __name__ == "__main__":
     if sys.argv[2] == "plain":
         plain(int(sys.argv[1]), int(sys.argv[3]), int(sys.argv[4]))
     else:
-        main(int(sys.argv[1]), sys.argv[2], *map(int, sys.argv[3:4]))
+        main(int(sys.argv[1]), sys.argv[2], *map(int, sys.argv[3:4]), *sys.argv[4:5])

@@ -6,8 +6,9 @@ Run as a script, once per rank, by ``test_parallel.py`` (the environment carries
     python _worker.py SCENARIOS_JSON OUTPUT_DIR
 
 For the ``mismatched-*`` scenarios it trains a lazy budget on batches whose shape and
-layout differ between the ranks (``mismatched``). For each other scenario it builds the
-tiny GPT from the same seed, marks it with ``wrap_model``,
+layout differ between the ranks (``mismatched``); for ``fsdp2-ranks`` it plans and trains
+a small Llama under FSDP2 as ``benchmarks/fsdp2_ranks.py`` does, per rank. For each other
+scenario it builds the tiny GPT from the same seed, marks it with ``wrap_model``,
 wraps it in DDP or shards it with FSDP2, trains on this rank's half of each global batch
 and saves the full parameters (or the error raised) to ``OUTPUT_DIR/rank{RANK}.pt``.
 """
@@ -38,6 +39,7 @@ from _dist_setup import (  # noqa: E402
     CONFIG, GLOBAL_BATCH, STEPS, build_model, make_optimizer, synthetic_batch,
 )
 from _allocator import allocator_peak  # noqa: E402
+import fsdp2_ranks  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
 
@@ -162,7 +164,9 @@ def main() -> None:
                 results[scenario["name"]] = {"error": f"not run: scenario {failed!r} failed on this rank"}
                 continue
             try:
-                if scenario["strategy"].startswith("mismatched-"):
+                if scenario["strategy"] == "fsdp2-ranks":
+                    results[scenario["name"]] = fsdp2_ranks.rank_report(rank, world)
+                elif scenario["strategy"].startswith("mismatched-"):
                     results[scenario["name"]] = mismatched(scenario["strategy"].split("-")[1], rank)
                 else:
                     results[scenario["name"]] = train(scenario, rank, world)

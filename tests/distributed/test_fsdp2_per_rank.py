@@ -31,7 +31,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed as dist
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="needs torch.distributed")
@@ -48,11 +47,19 @@ def _run(*argv: str) -> dict:
 
 
 @pytest.mark.parametrize(
-    "world_size, policy, tokens, within",
-    [(2, "blocks", 1024, 0.01), (2, "blocks", 512, 0.01), (8, "none", 1024, 0.03)],
+    "world_size, policy, tokens, sharding, within",
+    [
+        (2, "blocks", 1024, "default", 0.01),
+        (2, "blocks", 512, "default", 0.01),
+        (8, "none", 1024, "default", 0.03),
+        # Each layer's gathered parameters kept from its forward to its backward, and
+        # bfloat16 parameters with gradients reduced in float32 (FSDP2's mixed precision).
+        (2, "blocks", 512, "keep-gathered", 0.01),
+        (2, "blocks", 512, "bf16-params", 0.01),
+    ],
 )
-def test_the_iteration_peak_per_rank_is_fsdp_mem_trackers(world_size, policy, tokens, within):
-    found = _run(str(world_size), policy, str(tokens))
+def test_the_iteration_peak_per_rank_is_fsdp_mem_trackers(world_size, policy, tokens, sharding, within):
+    found = _run(str(world_size), policy, str(tokens), sharding)
     assert found["sharded"], "FSDP2's parameters were swapped for stand-ins"
     assert found["no_grads"], "planning left gradients on the model or in FSDP2's state"
     assert abs(found["predicted"] - found["tracked"]) <= within * found["tracked"], found

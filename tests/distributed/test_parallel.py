@@ -71,6 +71,8 @@ SCENARIOS = [
 
 # Each rank trains on batches of its own shapes and layouts (``_worker.SHAPES``).
 MISMATCHED = [dict(name=f"mismatched-{strategy}", strategy=f"mismatched-{strategy}") for strategy in ("ddp", "fsdp2")]
+# Plans and budgets per rank under FSDP2 on a small Llama (``benchmarks/fsdp2_ranks.py``).
+FSDP2_RANKS = [dict(name="fsdp2-ranks", strategy="fsdp2-ranks")]
 OVER = 0.03
 """A step may peak above the budget by this share of the plain peak at the largest shape
 so far (on that rank)."""
@@ -110,7 +112,7 @@ def _launch(scenarios: List[Dict[str, Any]], out_dir: Path) -> List[Dict[str, An
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    return _launch([*SCENARIOS, *MISMATCHED], tmp_path_factory.mktemp("ranks"))
+    return _launch([*SCENARIOS, *MISMATCHED, *FSDP2_RANKS], tmp_path_factory.mktemp("ranks"))
 
 
 @pytest.fixture(scope="module")
@@ -179,3 +181,57 @@ def test_ranks_with_other_layouts_and_shapes_each_keep_the_budget(scenario, rank
             )
     # Each rank planned its own steps: rank 1's longer batches checkpoint more.
     assert sum(checkpointed[1]) > sum(checkpointed[0]), checkpointed
+
+
+# ----------------------------------------------------------------------------- FSDP2 per rank
+
+
+def _fsdp2_reports(ranks) -> List[Dict[str, Any]]:
+    reports = [results["fsdp2-ranks"] for results in ranks]
+    for rank, report in enumerate(reports):
+        assert "error" not in report, f"rank {rank} failed:\n{report['error']}"
+    return reports
+
+
+def test_under_fsdp2_each_rank_peaks_where_its_plan_says(ranks):
+    """Each rank plans its own batch (1 x 96 and 2 x 256 tokens) of a Llama sharded per
+    layer, under ``none``, ``blocks`` and a ``budget:total``, with each layer's gathered
+    parameters freed after its forward or kept to its backward, and with bfloat16
+    parameters: the plan's whole-iteration peak against torch's ``FSDPMemTracker`` on the
+    same iteration (real tensors) and the CPU allocator's least of four readings.
+
+    Gloo reduce-scatters and all-gathers through a copy of its own, made on its thread and
+    read back on the caller's: up to one layer's gathered parameters (in the reduce
+    dtype) that neither FSDP2 nor the plan holds, which the tracker and the allocator see
+    when it falls at the iteration's peak (bfloat16 parameters, 1 x 96: 5.6%), and that
+    gloo's threads at times free late (the allocator's readings vary by as much from
+    iteration to iteration; the tracker's do not). Before the planned step's backward was
+    FSDP2's own and counted through its hooks, plans read 10-33% under."""
+    for report in _fsdp2_reports(ranks):
+        for row in report["planned"]:
+            tracked, gloo = row["tracked"], row["unit"]
+            assert tracked - gloo - 0.01 * tracked <= row["predicted"] <= 1.01 * tracked, row
+            assert row["least"] - 2 * gloo <= 1.01 * row["predicted"], row
+
+
+def test_under_fsdp2_a_total_planned_on_example_inputs_after_training_holds(ranks):
+    # Applied after one training step: the step starts with the optimizer's state made.
+    for report in _fsdp2_reports(ranks):
+        (row,) = [row for row in report["planned"] if row["total"] is not None]
+        assert 0 < row["checkpointed"] < 4, row  # between blocks and none: a real choice
+        assert row["least"] <= row["total"] + OVER * row["plain_step"], row
+
+
+def test_under_fsdp2_a_lazy_total_holds_on_every_rank_with_shapes_of_its_own(ranks):
+    """``budget:total`` per rank, learned from each rank's own steps (batches of one and
+    of four, 32 to 512 tokens, differing between the ranks from the first step): every
+    iteration within the total by at most 3% of the largest plain step so far, and gloo's
+    copies of two layers' gathered parameters (see above; a single reading per step)."""
+    for rank, report in enumerate(_fsdp2_reports(ranks)):
+        lazy = report["lazy"]
+        largest = 0
+        for step, seen in enumerate(lazy["steps"]):
+            largest = max(largest, seen["plain"])
+            assert seen["peak"] <= lazy["total"] + OVER * largest + lazy["slack"], (rank, step, seen, lazy["total"])
+        # The total is between blocks and none at the longest batch: some steps choose.
+        assert any(0 < seen["checkpointed"] < 4 for seen in lazy["steps"]), lazy["steps"]
