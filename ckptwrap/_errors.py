@@ -30,6 +30,10 @@ class CheckpointConfigError(CheckpointError, ValueError):
     """For a budget no plan reaches: the least budget, in bytes, that one would (for a
     budget in a device's terms, the device's memory), else None."""
 
+    offered: Optional[int] = None
+    """For a budget no plan reaches: the budget given, in bytes, in the terms of
+    :attr:`needed` (a device's memory for a budget in its terms), else None."""
+
 
 def input_changed_error(region: Any, changed: Optional[str], cause: Optional[BaseException] = None) -> CheckpointError:
     """The error for a checkpointed region whose input was changed in place, which its

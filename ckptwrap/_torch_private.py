@@ -26,6 +26,7 @@ __all__ = [
     "dispatch_stack",
     "dropout_classes",
     "fake_tensor",
+    "fake_process_group_store",
     "fallbacks_in_use",
     "fsdp2_params",
     "fsdp2_units",
@@ -380,6 +381,17 @@ def _fsdp2_fell_back(name: str) -> List[Any]:
     if name not in _FELL_BACK:
         _FELL_BACK.append(name)
     return []
+
+
+def fake_process_group_store() -> Any:
+    """A store for torch's fake process group (``init_process_group("fake", ...)``: every
+    collective returns at once, nothing is sent), which importing its module registers:
+    ``torch.testing._internal.distributed.fake_pg.FakeStore``, as torch's own memory
+    estimators use it. Fallback, where this torch lacks it: None (``--ranks`` is refused,
+    saying so)."""
+    module = _import("torch.testing._internal.distributed.fake_pg")
+    store = _lookup(module, "FakeStore", None)
+    return store() if callable(store) else None
 
 
 class _FakeTensors(NamedTuple):

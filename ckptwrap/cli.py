@@ -21,10 +21,11 @@ from torch import nn
 
 from ._cli_common import DTYPES, UsageError, add_model_arguments, build_model, prepare
 from ._cli_models import CONFIG_PREFIX, build_from_config, keyword_inputs
+from ._cli_ranks import RankPlan, default_dtype, least_need, never_fits, parse_ranks, plan_ranks, sharding_options
 from ._errors import CheckpointConfigError, CheckpointError
 from ._frontier import Point, frontier_candidates, pareto_points
 from .diagnostics import main as doctor_main
-from .planner import OPTIMIZERS, profile_modules
+from .planner import OPTIMIZERS, format_bytes, profile_modules
 from .policy import Budget, as_policy, split_modifiers
 from .wrap import Plan, plan_and_profile
 
@@ -137,6 +138,26 @@ def _build_parser() -> argparse.ArgumentParser:
         help="micro-steps per optimizer step (gradient accumulation): the device's memory is "
         "planned for the micro-steps that start with the gradients held (default: 1)",
     )
+    sub.add_argument(
+        "--ranks",
+        metavar="N[,N...]",
+        help="plan one rank of N under FSDP2: the model built on fake tensors and sharded with "
+        "fully_shard (each block, then the root) over a fake process group of N, nothing "
+        "allocated; with several counts and --device-memory, the smallest that fits "
+        "(e.g. --ranks 1,2,4,8)",
+    )
+    sub.add_argument(
+        "--keep-gathered",
+        action="store_true",
+        help="with --ranks: FSDP2's reshard_after_forward=False, each block's gathered parameters "
+        "kept from its forward to its backward",
+    )
+    sub.add_argument(
+        "--gather-dtype",
+        choices=["bfloat16", "float16"],
+        help="with --ranks: FSDP2's mixed precision, parameters gathered and computed in this dtype, "
+        "gradients reduced in the parameters' own (MixedPrecisionPolicy(param_dtype, reduce_dtype))",
+    )
     sub.add_argument("--policy", default="blocks", help="policy string (default: blocks)")
     sub.add_argument(
         "--use-reentrant", action="store_true", help="plan for the re-entrant engine"
@@ -171,6 +192,10 @@ def _run_plan(args: argparse.Namespace) -> int:
     if args.input or args.labels:
         keyword = functools.partial(_keyword_inputs, args)
     policy = _with_device_memory(args.policy, args.device_memory)
+    if args.ranks is not None:
+        return _run_ranks(args, build, keyword, policy)
+    if args.keep_gathered or args.gather_dtype:
+        raise UsageError("--keep-gathered and --gather-dtype shard the model with FSDP2: give --ranks N")
     model, inputs, kwargs, shapes = prepare(args, build, keyword)
     if not inputs and not kwargs and config and "budget:" in policy:
         raise UsageError("a budget is planned from measured costs: give --input NAME=N,N,... (and --labels)")
@@ -218,6 +243,109 @@ def _run_plan(args: argparse.Namespace) -> int:
             file=sys.stderr if args.json else sys.stdout,
         )
     return 0
+
+
+def _run_ranks(args: argparse.Namespace, build: Any, keyword: Any, policy: str) -> int:
+    """``plan --ranks``: one rank of each count under FSDP2 (``_cli_ranks``), printed as
+    the plan of the smallest count that fits, or what a rank would need at the most."""
+    counts = parse_ranks(args.ranks)
+    if len(counts) > 1 and args.device_memory is None:
+        raise UsageError(
+            f"--ranks {args.ranks}: several counts are tried for the smallest that fits, which needs "
+            f"the device's memory: give --device-memory SIZE (or device, with --device-rates)"
+        )
+    if args.device not in ("cpu", "meta"):
+        raise UsageError(
+            f"--ranks plans on fake tensors, nothing allocated; --device {args.device} has no use there "
+            f"(name the device's speed and memory with --device-rates and --device-memory)"
+        )
+    if args.pareto:
+        raise UsageError("--pareto draws one device's frontier: give it without --ranks")
+    # The inputs, real and on the CPU, from a model built on the meta device; each count
+    # builds one of its own on fake tensors.
+    _, inputs, kwargs, _ = prepare(argparse.Namespace(**{**vars(args), "device": "meta"}), build, keyword)
+    if not inputs and not kwargs:
+        raise UsageError("--ranks plans a training step: give --input NAME=N,N,... (and --labels) or --input-shape")
+    # Built on fake tensors in its dtype as the default one: moved there afterwards
+    # (``.to``), a fake parameter cannot be swapped for its converted copy.
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    if args.factory.startswith(CONFIG_PREFIX):
+        make = functools.partial(build_from_config, args.factory, args.set, args.model_class, None)
+    else:
+        make = functools.partial(build_model, args.factory)
+
+    def seeded() -> nn.Module:
+        torch.manual_seed(args.seed)
+        with default_dtype(dtype):
+            return make()
+
+    def planned(model: nn.Module, fake_inputs: Any, fake_kwargs: Any) -> Plan:
+        result, _ = plan_and_profile(
+            model, policy, nested=args.nested, example_inputs=tuple(fake_inputs) or None,
+            example_kwargs=fake_kwargs or None, device_rates=args.device_rates, optimizer=args.optimizer,
+            accumulation=args.accumulate, use_reentrant=args.use_reentrant,
+        )
+        return result
+
+    own = dtype or torch.get_default_dtype()
+    gathered = DTYPES[args.gather_dtype] if args.gather_dtype else None
+    options = sharding_options(args.keep_gathered, gathered, reduce_dtype=own)
+    found = plan_ranks(counts, seeded, inputs, kwargs, planned, options, smallest=args.device_memory is not None)
+    last = found[-1]
+    tried = [
+        {"ranks": each.ranks, "fits": each.plan is not None, "needed_bytes": each.needed} for each in found
+    ]
+    memory = (args.device_memory or "").strip()
+    named = memory.lower() == "device"
+    kind = (args.device_rates or "device") if named else f"devices of {memory}"
+
+    def devices(count: int) -> str:
+        if named:
+            return f"{count} x {kind}"
+        return f"{count} {kind}" if count > 1 else f"1 device of {memory}"
+
+    if last.plan is None:
+        least = least_need(found) if never_fits(found) else None
+        answer = {
+            "fits": False, "ranks": last.ranks, "needed_bytes": last.needed, "why": last.why, "tried": tried,
+            "least_needed_bytes": least,
+        }
+        if args.json:
+            print(json.dumps(answer, indent=2))
+            return 1
+        if least is not None:
+            print(
+                f"does NOT fit on any number of {kind} under FSDP2: one rank would need at least "
+                f"{format_bytes(least)} at any count (what FSDP2 does not shard: the step's activations, "
+                f"the blocks' gathered parameters and gradients)"
+            )
+        else:
+            print(
+                f"does NOT fit on {devices(last.ranks)} under FSDP2: one rank would need "
+                f"{format_bytes(last.needed)} ({last.needed} B)"
+            )
+        print(_tried(found[:-1]) + last.why)
+        return 1
+    if args.json:
+        print(json.dumps({**last.plan.to_dict(), "ranks": last.ranks, "tried": tried}, indent=2))
+        return 0
+    head = f"one rank of {last.ranks} under FSDP2 ({last.why})"
+    if memory:
+        head = f"fits on {devices(last.ranks)}: " + head
+    print(head)
+    if len(found) > 1:
+        print(_tried(found[:-1]).rstrip())
+    print(last.plan)
+    return 0
+
+
+def _tried(found: Sequence[RankPlan]) -> str:
+    """The counts that did not fit, each with what one rank would need, one per line."""
+    return "".join(
+        f"  {each.ranks} rank{'s' if each.ranks > 1 else ''}: does not fit, one rank would need "
+        f"{format_bytes(each.needed)}\n"
+        for each in found
+    )
 
 
 def _with_device_memory(policy: str, memory: Optional[str]) -> str:

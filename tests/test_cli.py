@@ -486,13 +486,14 @@ _LLAMA = [
 ]
 
 
-def _llama_in_python(dtype=torch.float32):
+def _llama_in_python(dtype=None):
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=128,
     )
-    return transformers.LlamaForCausalLM(config).to(dtype).train()
+    model = transformers.LlamaForCausalLM(config)
+    return (model if dtype is None else model.to(dtype)).train()
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])
@@ -769,3 +770,127 @@ def test_a_bad_input_dtype_exits_2_naming_it(capsys, argv, message):
     code, _, err = _run(capsys, f"{_HERE}:tiny_graph", *argv)
     assert code == 2 and message in err, err
     assert len(err.strip().splitlines()) == 1
+
+
+# --------------------------------------------------------------------------- per rank under FSDP2
+
+
+def _per_rank_in_python(ranks: int, policy: str, batch, **shard_options):
+    """One rank of ``ranks`` planned as docs/capacity.md shows: built on fake tensors,
+    each decoder layer and then the root sharded over a fake process group."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    hook = sys.excepthook
+    dist.init_process_group("fake", rank=0, world_size=ranks, store=FakeStore())
+    try:
+        mesh = init_device_mesh("cpu", (ranks,))
+        with FakeTensorMode() as mode:
+            model = _llama_in_python()
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh, **shard_options)
+            fully_shard(model, mesh=mesh, **shard_options)
+            fake = {name: mode.from_tensor(value) for name, value in batch.items()}
+            return ckptwrap.plan(model, policy, example_kwargs=fake, optimizer="adamw")
+    finally:
+        dist.destroy_process_group()
+        sys.excepthook = hook
+
+
+def _batch(rows: int = 2, length: int = 256):
+    ids = torch.randint(128, (rows, length), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+_RANKED = [*_LLAMA, "--input", "input_ids=2,256", "--labels", "--optimizer", "adamw"]
+
+
+@pytest.mark.parametrize("sharding", ["default", "keep-gathered", "bf16-gathered"])
+def test_ranks_plans_one_rank_under_fsdp2_as_in_python(capsys, sharding):
+    pytest.importorskip("transformers")
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    hook = sys.excepthook
+    flags, options = {
+        "default": ([], {}),
+        "keep-gathered": (["--keep-gathered"], {"reshard_after_forward": False}),
+        "bf16-gathered": (
+            ["--gather-dtype", "bfloat16"],
+            {"mp_policy": fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)},
+        ),
+    }[sharding]
+    code, out, err = _run(capsys, *_RANKED, "--ranks", "2", *flags, "--json")
+    assert code == 0, err
+    planned = json.loads(out)
+    expected = _per_rank_in_python(2, "blocks", _batch(), **options)
+    assert planned["ranks"] == 2
+    assert planned["device_peak"] == expected.device_peak
+    assert [entry["name"] for entry in planned["selected"]] == expected.names
+    # One rank holds half of the parameters and of AdamW's state.
+    whole = ckptwrap.plan(_llama_in_python(), "blocks", example_kwargs=_batch(), optimizer="adamw")
+    memory = planned["device_memory"]
+    assert abs(memory["parameters"] - whole.device_memory.parameters / 2) <= 0.01 * whole.device_memory.parameters
+    assert memory["optimizer_state"] == 2 * memory["parameters"]
+    # The process is left as it was: no process group, the same excepthook (which torch's
+    # init_process_group wraps each time).
+    assert not torch.distributed.is_initialized() and sys.excepthook is hook
+
+
+def test_ranks_finds_the_smallest_count_that_fits(capsys):
+    pytest.importorskip("transformers")
+    pytest.importorskip("torch.distributed.fsdp")
+    need = {ranks: _per_rank_in_python(ranks, "blocks", _batch()).device_peak for ranks in (1, 2, 4)}
+    assert need[1] > need[2] > need[4]
+    size = (need[1] + need[2]) // 2
+    code, out, err = _run(capsys, *_RANKED, "--ranks", "4,1,2", "--device-memory", f"{size}B", "--json")
+    assert code == 0, err
+    planned = json.loads(out)
+    assert planned["ranks"] == 2 and planned["device_peak"] <= size
+    assert planned["tried"][0] == {"ranks": 1, "fits": False, "needed_bytes": need[1]}
+    code, out, err = _run(capsys, *_RANKED, "--ranks", "1,2,4", "--device-memory", f"{size}B")
+    assert code == 0, err
+    assert out.startswith(f"fits on 2 devices of {size}B: one rank of 2 under FSDP2 (2 blocks and the root sharded)")
+    assert "1 rank: does not fit" in out and "fits in" in out
+
+
+def test_ranks_says_when_no_count_fits_and_stops_early(capsys):
+    """What a rank needs falls toward what FSDP2 does not shard: once that alone passes
+    the device, ``auto`` stops instead of trying every power of two."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("torch.distributed.fsdp")
+    code, out, err = _run(capsys, *_RANKED, "--ranks", "auto", "--device-memory", "1MiB", "--json")
+    assert code == 1, err
+    answer = json.loads(out)
+    assert answer["fits"] is False and answer["least_needed_bytes"] > 1 << 20
+    assert [each["ranks"] for each in answer["tried"]] == [1, 2, 4]
+    needs = [each["needed_bytes"] for each in answer["tried"]]
+    assert needs[0] > needs[1] > needs[2] >= answer["least_needed_bytes"]
+    code, out, err = _run(capsys, *_RANKED, "--ranks", "auto", "--device-memory", "1MiB")
+    assert code == 1 and out.startswith("does NOT fit on any number of devices of 1MiB under FSDP2"), out
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--ranks", "0"], "bad --ranks '0'"),
+        (["--ranks", "two"], "bad --ranks 'two'"),
+        (["--ranks", "1,2"], "needs the device's memory: give --device-memory"),
+        (["--ranks", "auto"], "needs the device's memory: give --device-memory"),
+        (["--keep-gathered"], "give --ranks N"),
+        (["--gather-dtype", "bfloat16"], "give --ranks N"),
+        (["--ranks", "2", "--device", "cuda"], "--device cuda has no use there"),
+    ],
+)
+def test_bad_rank_flags_exit_2_naming_them(capsys, extra, message):
+    pytest.importorskip("transformers")
+    code, _, err = _run(capsys, *_RANKED, *extra)
+    assert code == 2 and message in err, err
+    assert not torch.distributed.is_initialized()
+
+
+def test_ranks_without_inputs_exit_2(capsys):
+    pytest.importorskip("transformers")
+    code, _, err = _run(capsys, *_LLAMA, "--ranks", "2")
+    assert code == 2 and "--ranks plans a training step: give --input" in err, err

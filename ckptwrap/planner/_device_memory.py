@@ -243,6 +243,7 @@ class DeviceTerms:
         if strict:
             error = CheckpointConfigError(message)
             error.needed = self.memory.optimizer_peak
+            error.offered = self.memory.total
             raise error
         if not self._said:
             self._said = True

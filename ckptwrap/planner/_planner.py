@@ -388,7 +388,7 @@ class ShapePlanner:
                 # inside the step).
                 return None
             said = CheckpointConfigError(f"at inputs of {costs.layout.describe(sizes)}: {error}")
-            said.needed = error.needed
+            said.needed, said.offered = error.needed, error.offered
             raise said from None
         choice = dataclasses.replace(choice, budget=budget, memory=self.device.memory)
         self._solved_at(choice, plain, costs, sizes, region, bounded)

@@ -688,6 +688,7 @@ def solve_budget(
             lowest_set = [i for group in lowest_plan[0] for i in group]
             error = CheckpointConfigError(_below_reach(items, given, lowest, lowest_set))
             error.needed = _least_budget(given, lowest)
+            error.offered = given.memory.total if isinstance(given, StepBudget) else int(given)
             del search
             raise error
         # On a coarse axis rounding can hide plans that fit; the lowest-peak one does.

@@ -219,7 +219,9 @@ def test_under_fsdp2_a_total_planned_on_example_inputs_after_training_holds(rank
     for report in _fsdp2_reports(ranks):
         (row,) = [row for row in report["planned"] if row["total"] is not None]
         assert 0 < row["checkpointed"] < 4, row  # between blocks and none: a real choice
-        assert row["least"] <= row["total"] + OVER * row["plain_step"], row
+        assert row["tracked"] <= row["total"] + OVER * row["plain_step"], row
+        # The allocator's least reading may still hold one of gloo's copies (see above).
+        assert row["least"] <= row["total"] + OVER * row["plain_step"] + row["unit"], row
 
 
 def test_under_fsdp2_a_lazy_total_holds_on_every_rank_with_shapes_of_its_own(ranks):

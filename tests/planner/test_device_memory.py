@@ -213,6 +213,7 @@ def test_an_unreachable_total_says_what_the_device_needs_and_that_is_enough():
     assert "budget:total=1MiB less parameters" in message and "AdamW state" in message
     assert "the device needs at least" in message
     needed = caught.value.needed
+    assert caught.value.offered == 1 << 20 < needed  # the device as given, in the same terms
     planned = ckptwrap.plan(model, f"budget:total={needed}B", example_kwargs=batch, optimizer="adamw")
     assert planned.device_peak <= needed
     assert len(planned.names) == len(ckptwrap.plan(model, "blocks").names)  # every block: the least memory
@@ -228,7 +229,7 @@ def test_an_optimizer_step_past_the_device_is_an_error_with_example_inputs_and_s
     assert parts.device_memory.optimizer_peak > total
     with pytest.raises(CheckpointConfigError, match="optimizer step alone needs") as caught:
         ckptwrap.plan(model, f"budget:total={total}B", example_inputs=x, optimizer="adamw")
-    assert caught.value.needed > total
+    assert caught.value.needed > total == caught.value.offered
     ckptwrap.wrap_model(model, f"budget:total={total}B", optimizer="adamw")
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")

@@ -1,0 +1,192 @@
+"""One rank of N under FSDP2, for ``python -m ckptwrap plan --ranks``: the model built on
+fake tensors and sharded with ``fully_shard`` over a fake process group of N, as training
+scripts shard it (each block the ``blocks`` policy finds, the innermost first, then the
+root), then planned there as any model on fake tensors is. Over several counts, the
+smallest whose plan fits the device.
+
+Nothing is allocated and nothing communicates: the fake group answers every collective
+at once, and each count gets a group and a model of its own (the group is process-wide,
+so one already initialized, the caller's, is refused). The rank planned is rank 0, whose
+shard of each parameter is the largest where FSDP2 pads the first dimension.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence
+
+import torch
+from torch import nn
+
+from . import _torch_private
+from ._cli_common import UsageError
+from ._errors import CheckpointConfigError
+from .policy import find_blocks
+
+__all__ = [
+    "RankPlan", "default_dtype", "least_need", "never_fits", "parse_ranks", "plan_ranks", "sharding_options",
+]
+
+
+class RankPlan(NamedTuple):
+    """What planning one rank of ``ranks`` gave: the plan, or the memory it would need."""
+
+    ranks: int
+    plan: Any = None
+    """The plan (a ``Plan``) where it fits; None where it does not."""
+    needed: Optional[int] = None
+    """Where it does not fit: what one rank would need, in bytes."""
+    offered: Optional[int] = None
+    """Where it does not fit: the device's memory it was planned for, in bytes."""
+    why: str = ""
+
+
+AUTO_LIMIT = 4096
+"""``--ranks auto`` tries powers of two up to this many ranks."""
+
+
+def parse_ranks(text: str) -> List[int]:
+    """``--ranks N[,N...]``: the rank counts, without repeats, smallest first; ``auto``:
+    the powers of two up to :data:`AUTO_LIMIT`."""
+    if text.strip().lower() == "auto":
+        return [1 << power for power in range(AUTO_LIMIT.bit_length())]
+    counts = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part.isdigit() or int(part) < 1:
+            raise UsageError(
+                f"bad --ranks {text!r}: expected rank counts of 1 or more, such as 8 or 1,2,4,8, or auto"
+            )
+        counts.append(int(part))
+    return sorted(set(counts))
+
+
+def sharding_options(
+    keep_gathered: bool, param_dtype: Optional[torch.dtype], reduce_dtype: torch.dtype
+) -> Dict[str, Any]:
+    """``fully_shard``'s options from the command line's FSDP2 flags: with ``param_dtype``,
+    parameters gathered and computed in it and gradients reduced in ``reduce_dtype`` (the
+    parameters' own, as torchtitan reduces float32 gradients of bfloat16 compute)."""
+    options: Dict[str, Any] = {"reshard_after_forward": not keep_gathered}
+    if param_dtype is not None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    return options
+
+
+def plan_ranks(
+    counts: Sequence[int],
+    build: Callable[[], nn.Module],
+    inputs: Sequence[torch.Tensor],
+    kwargs: Dict[str, torch.Tensor],
+    plan: Callable[[nn.Module, Sequence[torch.Tensor], Dict[str, torch.Tensor]], Any],
+    options: Dict[str, Any],
+    *,
+    smallest: bool,
+) -> List[RankPlan]:
+    """Plan one rank of each count in ``counts`` (in order): ``build()`` made on fake
+    tensors, sharded, and ``plan(model, inputs, kwargs)`` called on fake copies of the
+    inputs. With ``smallest``, stop at the first count that fits, or once no larger count
+    can: a rank's parameters, gradients and optimizer state shrink with the count and the
+    rest does not, so what a rank needs falls by half as much from 2N to 4N as from N to
+    2N, and no count needs less than what 2N needs less that fall (:func:`least_need`). A
+    count whose plan does not fit (a ``CheckpointConfigError`` naming what a rank would
+    need) is recorded so; any other error is raised."""
+    fake = _torch_private.fake_tensor
+    if fake is None:
+        raise UsageError("--ranks plans on fake tensors, which this torch lacks (torch 2.1 and later have them)")
+    found = []
+    for count in counts:
+        with _fake_group(count) as mesh, fake.mode_class() as mode:
+            model = build().train()
+            units = _shard(model, mesh, options)
+            fake_inputs = [mode.from_tensor(t) for t in inputs]
+            fake_kwargs = {name: mode.from_tensor(t) for name, t in kwargs.items()}
+            try:
+                made = plan(model, fake_inputs, fake_kwargs)
+            except CheckpointConfigError as error:
+                if error.needed is None:
+                    raise
+                found.append(RankPlan(count, needed=error.needed, offered=error.offered, why=str(error)))
+            else:
+                found.append(RankPlan(count, plan=made, why=f"{units} blocks and the root sharded"))
+        if smallest and (found[-1].plan is not None or never_fits(found)):
+            break
+    return found
+
+
+def least_need(found: Sequence[RankPlan]) -> Optional[int]:
+    """The least any larger count could need, from the last two counts, twice apart and
+    of 2 or more, that did not fit: what the larger needs, less what doubling the count
+    took off (the sharded part halves at each doubling, so all further doublings together
+    take off at most that much again; FSDP2's padding of each shard only adds). None
+    without two such counts. (One rank is no guide: it gathers nothing, and its step
+    makes no all-gather or reduce-scatter buffers.)"""
+    if len(found) < 2 or found[-1].needed is None or found[-2].needed is None:
+        return None
+    if found[-2].ranks < 2 or found[-1].ranks != 2 * found[-2].ranks:
+        return None
+    return found[-1].needed - (found[-2].needed - found[-1].needed)
+
+
+def never_fits(found: Sequence[RankPlan]) -> bool:
+    """Whether no larger count can fit: :func:`least_need` above the device's memory."""
+    least = least_need(found)
+    return least is not None and found[-1].offered is not None and least > found[-1].offered
+
+
+def _shard(model: nn.Module, mesh: Any, options: Dict[str, Any]) -> int:
+    """Shard ``model`` as training scripts do: each block, the innermost first (FSDP2
+    shards nested units from the inside out), then the root. Returns the blocks sharded."""
+    from torch.distributed.fsdp import fully_shard
+
+    names = find_blocks(model)
+    modules = dict(model.named_modules())
+    for name in sorted(names, key=lambda name: -name.count(".")):
+        fully_shard(modules[name], mesh=mesh, **options)
+    fully_shard(model, mesh=mesh, **options)
+    return len(names)
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: Optional[torch.dtype]) -> Iterator[None]:
+    """torch's default dtype set to ``dtype`` for the block (as it was, after); nothing
+    changed for None."""
+    if dtype is None:
+        yield
+        return
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@contextlib.contextmanager
+def _fake_group(ranks: int) -> Iterator[Any]:
+    """A fake process group of ``ranks`` (this process rank 0) and its one-dimensional
+    mesh, for the block; torn down after."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_available():
+        raise UsageError("--ranks plans under FSDP2, which needs torch.distributed; this torch build lacks it")
+    if dist.is_initialized():
+        raise UsageError(
+            "--ranks plans on a fake process group of its own, and a process group is initialized "
+            "already: plan from a process of its own (python -m ckptwrap plan ... --ranks N)"
+        )
+    store = _torch_private.fake_process_group_store()
+    if store is None:
+        raise UsageError("--ranks needs torch's fake process group (torch.testing's fake_pg), which this torch lacks")
+    # Each init wraps sys.excepthook to prefix "[rank0]:" and nothing unwraps it.
+    hook = sys.excepthook
+    dist.init_process_group("fake", rank=0, world_size=ranks, store=store)
+    try:
+        yield init_device_mesh("cpu", (ranks,))
+    finally:
+        dist.destroy_process_group()
+        sys.excepthook = hook
