@@ -70,6 +70,16 @@ MODELS: Dict[str, Dict[str, Any]] = {
             num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
         ),
     },
+    "t5-7b": {
+        "about": "T5 v1.1-style encoder-decoder, 7.5B (16 + 16 layers of width 4096, gated GELU, eager attention)",
+        "config": "T5Config",
+        "class": "T5ForConditionalGeneration",
+        "fields": dict(
+            d_model=4096, d_ff=10240, d_kv=128, num_heads=32, num_layers=16, num_decoder_layers=16,
+            feed_forward_proj="gated-gelu", vocab_size=32128, tie_word_embeddings=False,
+            decoder_start_token_id=0, pad_token_id=0,
+        ),
+    },
 }
 DEVICES = {"h100-sxm": 8, "a100-40gb": 8, "rtx-4090": 4}
 """Each kind of GPU and how many of it one machine holds."""
@@ -90,21 +100,24 @@ def _rank(request: Dict[str, Any]) -> Dict[str, Any]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import ckptwrap
+    from ckptwrap.policy import find_blocks
 
     warnings.simplefilter("ignore")
     transformers.logging.set_verbosity_error()
     spec = MODELS[request["model"]]
     config = getattr(transformers, spec["config"])(**spec["fields"], use_cache=False)
-    model_class = transformers.MixtralForCausalLM if spec["config"] == "MixtralConfig" else transformers.LlamaForCausalLM
+    model_class = getattr(transformers, spec.get("class") or spec["config"].replace("Config", "ForCausalLM"))
     ranks, tokens = request["ranks"], request["tokens"]
     dist.init_process_group("fake", rank=0, world_size=ranks, store=FakeStore())
     mesh = init_device_mesh("cpu", (ranks,))
     torch.set_default_dtype(torch.bfloat16)
 
     def sharded() -> torch.nn.Module:
+        # Each block (a decoder layer; T5's encoder and decoder blocks), then the root.
         model = model_class(config).train()
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
+        modules = dict(model.named_modules())
+        for name in find_blocks(model):
+            fully_shard(modules[name], mesh=mesh)
         fully_shard(model, mesh=mesh)
         return model
 
@@ -127,7 +140,7 @@ def _rank(request: Dict[str, Any]) -> Dict[str, Any]:
             step = plan.plain_peak if request["policy"] == "none" else plan.predicted_peak
             found.update(
                 fits=True, peak=plan.device_memory.whole_peak(step), recomputed=len(plan.names),
-                blocks=config.num_hidden_layers, seconds=plan.step_time,
+                blocks=len(find_blocks(model)), seconds=plan.step_time,
             )
         found["planning_s"] = time.perf_counter() - started
         if request.get("compare"):

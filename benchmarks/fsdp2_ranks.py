@@ -1,6 +1,6 @@
 """Plans and budgets per rank under real FSDP2: N processes on the CPU (gloo, loopback),
-each training a small Llama sharded with ``fully_shard`` (each decoder layer, then the
-root) on batches of its own shapes.
+each training a small Llama (or, with ``--model t5``, a small T5) sharded with
+``fully_shard`` (each block, then the root) on batches of its own shapes.
 
 Two tables, one row per rank:
 
@@ -30,7 +30,7 @@ FSDPMemTracker (steady to the byte over repeated iterations) nor the plan sees. 
 least and the most of four readings, and the lazy loop's slack of two layers' gathered
 parameters over the budget's 3%.
 
-    python benchmarks/fsdp2_ranks.py [--ranks 2,4]
+    python benchmarks/fsdp2_ranks.py [--ranks 2,4] [--model llama|t5]
 
 A rank is this script run with ``--rank-of WORLD`` and the environment torchrun would set
 (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); ``tests/distributed``
@@ -58,6 +58,7 @@ import torch  # noqa: E402
 
 import ckptwrap  # noqa: E402
 from _allocator import allocator_peak  # noqa: E402
+from ckptwrap.policy import find_blocks  # noqa: E402
 from ckptwrap.wrap._marks import apply_plan  # noqa: E402
 
 VOCAB = 1024
@@ -84,11 +85,24 @@ PROMISE = 0.03
 READINGS = 4
 
 
-def build() -> torch.nn.Module:
-    """A small Llama (width 64, 4 layers), the same on every rank (seeded)."""
+MODELS = ("llama", "t5")
+"""``llama``: a small Llama (width 64, 4 layers); ``t5``: a small T5 v1.1-style
+encoder-decoder (width 64, 4 + 4 layers, gated GELU, eager attention with relative
+position bias, which every block of a stack takes from its first)."""
+
+
+def build(model: str = "llama") -> torch.nn.Module:
+    """One of :data:`MODELS`, the same on every rank (seeded), in train mode."""
     import transformers
 
     torch.manual_seed(0)
+    if model == "t5":
+        config = transformers.T5Config(
+            vocab_size=VOCAB, d_model=64, d_ff=160, d_kv=16, num_heads=8, num_layers=4, num_decoder_layers=4,
+            feed_forward_proj="gated-gelu", tie_word_embeddings=False, decoder_start_token_id=0, pad_token_id=0,
+            use_cache=False,
+        )
+        return transformers.T5ForConditionalGeneration(config).train()
     config = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=256, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=4, use_cache=False,
@@ -99,7 +113,7 @@ def build() -> torch.nn.Module:
 def shard(
     model: torch.nn.Module, reshard_after_forward: bool = True, mixed: bool = False, replicas: int = 1,
 ) -> torch.nn.Module:
-    """Each decoder layer, then the root, as one FSDP2 unit over every rank (or, with
+    """Each block, then the root, as one FSDP2 unit over every rank (or, with
     ``replicas``, over each replica's share of the ranks, replicated across them: HSDP)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -111,8 +125,9 @@ def shard(
         options["mesh"] = init_device_mesh("cpu", (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
     if mixed:
         options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer, **options)
+    modules = dict(model.named_modules())
+    for name in find_blocks(model):  # each decoder layer; T5's encoder and decoder blocks
+        fully_shard(modules[name], **options)
     return fully_shard(model, **options)
 
 
@@ -176,7 +191,7 @@ def largest_unit(model: torch.nn.Module) -> int:
     return max(sizes)
 
 
-def planned(rank: int, world: int) -> List[Dict[str, Any]]:
+def planned(rank: int, world: int, kind: str) -> List[Dict[str, Any]]:
     """The first table's rows for this rank (see the module)."""
     rows, length = PLANNED[rank]
     batch = batch_of(rank, rows, length, seed=0)
@@ -187,7 +202,7 @@ def planned(rank: int, world: int) -> List[Dict[str, Any]]:
         for policy in ("none", "blocks", "budget:total"):
             if policy == "budget:total" and sharding != "default":
                 continue
-            model = shard(build(), **options)
+            model = shard(build(kind), **options)
             optimizer = torch.optim.AdamW(model.parameters())
             total = None
             if policy == "budget:total":
@@ -205,23 +220,23 @@ def planned(rank: int, world: int) -> List[Dict[str, Any]]:
                 rank=rank, batch=[rows, length], sharding=sharding, policy=policy, total=total,
                 checkpointed=len(plan.selected), predicted=plan.device_peak, plain_step=plan.plain_peak,
                 tracked=tracked(model, optimizer, batch), least=min(readings), most=max(readings),
-                unit=largest_unit(model),
+                unit=largest_unit(model), blocks=len(find_blocks(model)),
             ))
             del model, optimizer
             gc.collect()
     return found
 
 
-def lazy(rank: int) -> Dict[str, Any]:
+def lazy(rank: int, kind: str) -> Dict[str, Any]:
     """The second table's rows for this rank (see the module)."""
-    plain = shard(build())
+    plain = shard(build(kind))
     plain_optimizer = torch.optim.AdamW(plain.parameters())
     longest = batch_of(rank, *LONGEST, seed=0)
     lo = ckptwrap.plan(plain, "blocks", example_kwargs=longest, optimizer=plain_optimizer).device_peak
     hi = ckptwrap.plan(plain, "none", example_kwargs=longest, optimizer=plain_optimizer).device_peak
     total = (lo + hi) // 2
     iteration(plain, plain_optimizer, longest)()  # its optimizer's state made, as the loop's will be
-    model = shard(build())
+    model = shard(build(kind))
     optimizer = torch.optim.AdamW(model.parameters())
     ckptwrap.wrap_model(model, f"budget:total={total}B", optimizer=optimizer)
     steps = []
@@ -236,12 +251,12 @@ def lazy(rank: int) -> Dict[str, Any]:
     return dict(rank=rank, total=total, slack=2 * largest_unit(model), steps=steps)
 
 
-def rank_report(rank: int, world: int) -> Dict[str, Any]:
-    """Both tables' rows for this rank of ``world``; every rank of the group must call it
-    together (FSDP2's collectives)."""
+def rank_report(rank: int, world: int, kind: str = "llama") -> Dict[str, Any]:
+    """Both tables' rows for this rank of ``world`` on the model ``kind`` (of
+    :data:`MODELS`); every rank of the group must call it together (FSDP2's collectives)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return {"planned": planned(rank, world), "lazy": lazy(rank)}
+        return {"planned": planned(rank, world, kind), "lazy": lazy(rank, kind)}
 
 
 def worst_over(report: Dict[str, Any]) -> float:
@@ -254,20 +269,20 @@ def worst_over(report: Dict[str, Any]) -> float:
     return worst
 
 
-def _run_rank(world: int, out: Path) -> None:
+def _run_rank(world: int, kind: str, out: Path) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
     try:
-        out.write_text(json.dumps(rank_report(rank, world)))
+        out.write_text(json.dumps(rank_report(rank, world, kind)))
     finally:
         gc.collect()  # a sharded model that outlives the group can crash the process at exit
         dist.destroy_process_group()
 
 
-def _launch(world: int, folder: Path) -> List[Dict[str, Any]]:
+def _launch(world: int, kind: str, folder: Path) -> List[Dict[str, Any]]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -276,7 +291,10 @@ def _launch(world: int, folder: Path) -> List[Dict[str, Any]]:
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     ranks = [
         subprocess.Popen(
-            [sys.executable, __file__, "--rank-of", str(world), "--out", str(folder / f"rank{rank}.json")],
+            [
+                sys.executable, __file__, "--rank-of", str(world), "--model", kind,
+                "--out", str(folder / f"rank{rank}.json"),
+            ],
             env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         for rank in range(world)
@@ -300,7 +318,8 @@ def _print_planned(world: int, reports: Sequence[Dict[str, Any]]) -> None:
         for row in report["planned"]:
             policy = row["policy"] if row["total"] is None else f"budget:total={_mib(row['total'])}MiB"
             print(
-                f"| {row['rank']} | {row['batch'][0]}x{row['batch'][1]} | {row['sharding']} | {policy} | {row['checkpointed']}/4 "
+                f"| {row['rank']} | {row['batch'][0]}x{row['batch'][1]} | {row['sharding']} | {policy} "
+                f"| {row['checkpointed']}/{row['blocks']} "
                 f"| {_mib(row['predicted'])} | {_mib(row['tracked'])} | {row['predicted'] / row['tracked']:.4f} "
                 f"| {_mib(row['least'])} | {_mib(row['most'])} |"
             )
@@ -321,11 +340,12 @@ def _print_lazy(world: int, reports: Sequence[Dict[str, Any]]) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", default="2,4", help="comma-separated world sizes (at most 4)")
+    parser.add_argument("--model", default="llama", choices=MODELS, help="the model (default: llama)")
     parser.add_argument("--rank-of", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rank_of is not None:
-        _run_rank(args.rank_of, args.out)
+        _run_rank(args.rank_of, args.model, args.out)
         return 0
     import tempfile
 
@@ -334,7 +354,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"--ranks {args.ranks!r}: each world size must be 1 to 4 (the ranks' batches are given for 4)")
     for world in worlds:
         with tempfile.TemporaryDirectory() as folder:
-            reports = _launch(world, Path(folder))
+            reports = _launch(world, args.model, Path(folder))
         _print_planned(world, reports)
         _print_lazy(world, reports)
     return 0
