@@ -33,6 +33,8 @@ class RankPlan(NamedTuple):
     """What planning one rank of ``ranks`` gave: the plan, or the memory it would need."""
 
     ranks: int
+    group: int
+    """The ranks one parameter is sharded over: ``ranks``, or under HSDP a replica's."""
     plan: Any = None
     """The plan (a ``Plan``) where it fits; None where it does not."""
     needed: Optional[int] = None
@@ -46,11 +48,12 @@ AUTO_LIMIT = 4096
 """``--ranks auto`` tries powers of two up to this many ranks."""
 
 
-def parse_ranks(text: str) -> List[int]:
-    """``--ranks N[,N...]``: the rank counts, without repeats, smallest first; ``auto``:
-    the powers of two up to :data:`AUTO_LIMIT`."""
+def parse_ranks(text: str, replicas: int = 1) -> List[int]:
+    """``--ranks N[,N...]``: the rank counts, without repeats, smallest first, each a
+    multiple of ``replicas`` (HSDP's); ``auto``: ``replicas`` times the powers of two, up
+    to :data:`AUTO_LIMIT`."""
     if text.strip().lower() == "auto":
-        return [1 << power for power in range(AUTO_LIMIT.bit_length())]
+        return [replicas << power for power in range(AUTO_LIMIT.bit_length()) if replicas << power <= AUTO_LIMIT]
     counts = []
     for part in text.split(","):
         part = part.strip()
@@ -59,6 +62,12 @@ def parse_ranks(text: str) -> List[int]:
                 f"bad --ranks {text!r}: expected rank counts of 1 or more, such as 8 or 1,2,4,8, or auto"
             )
         counts.append(int(part))
+    uneven = [count for count in counts if count % replicas]
+    if uneven:
+        raise UsageError(
+            f"--replicas {replicas} splits each rank count into that many FSDP groups: "
+            f"{', '.join(map(str, uneven))} is not a multiple of it"
+        )
     return sorted(set(counts))
 
 
@@ -85,10 +94,13 @@ def plan_ranks(
     options: Dict[str, Any],
     *,
     smallest: bool,
+    replicas: int = 1,
 ) -> List[RankPlan]:
     """Plan one rank of each count in ``counts`` (in order): ``build()`` made on fake
     tensors, sharded, and ``plan(model, inputs, kwargs)`` called on fake copies of the
-    inputs. With ``smallest``, stop at the first count that fits, or once no larger count
+    inputs. With ``replicas`` above 1, HSDP: each count's ranks are that many replicas of
+    FSDP groups of the count over ``replicas`` ranks (each count a multiple of it, as
+    :func:`parse_ranks` gives). With ``smallest``, stop at the first count that fits, or once no larger count
     can: a rank's parameters, gradients and optimizer state shrink with the count and the
     rest does not, so what a rank needs falls by half as much from 2N to 4N as from N to
     2N, and no count needs less than what 2N needs less that fall (:func:`least_need`). A
@@ -99,7 +111,7 @@ def plan_ranks(
         raise UsageError("--ranks plans on fake tensors, which this torch lacks (torch 2.1 and later have them)")
     found = []
     for count in counts:
-        with _fake_group(count) as mesh, fake.mode_class() as mode:
+        with _fake_group(count, replicas) as mesh, fake.mode_class() as mode:
             model = build().train()
             units = _shard(model, mesh, options)
             fake_inputs = [mode.from_tensor(t) for t in inputs]
@@ -109,24 +121,26 @@ def plan_ranks(
             except CheckpointConfigError as error:
                 if error.needed is None:
                     raise
-                found.append(RankPlan(count, needed=error.needed, offered=error.offered, why=str(error)))
+                found.append(RankPlan(
+                    count, count // replicas, needed=error.needed, offered=error.offered, why=str(error)
+                ))
             else:
-                found.append(RankPlan(count, plan=made, why=f"{units} blocks and the root sharded"))
+                found.append(RankPlan(count, count // replicas, plan=made, why=f"{units} blocks and the root sharded"))
         if smallest and (found[-1].plan is not None or never_fits(found)):
             break
     return found
 
 
 def least_need(found: Sequence[RankPlan]) -> Optional[int]:
-    """The least any larger count could need, from the last two counts, twice apart and
-    of 2 or more, that did not fit: what the larger needs, less what doubling the count
-    took off (the sharded part halves at each doubling, so all further doublings together
-    take off at most that much again; FSDP2's padding of each shard only adds). None
-    without two such counts. (One rank is no guide: it gathers nothing, and its step
-    makes no all-gather or reduce-scatter buffers.)"""
+    """The least any larger count could need, from the last two counts that did not fit,
+    sharding over groups twice apart of 2 or more ranks: what the larger needs, less what
+    doubling the group took off (the sharded part halves at each doubling, so all further
+    doublings together take off at most that much again; FSDP2's padding of each shard
+    only adds). None without two such counts. (A group of one rank is no guide: it
+    gathers nothing, and its step makes no all-gather or reduce-scatter buffers.)"""
     if len(found) < 2 or found[-1].needed is None or found[-2].needed is None:
         return None
-    if found[-2].ranks < 2 or found[-1].ranks != 2 * found[-2].ranks:
+    if found[-2].group < 2 or found[-1].group != 2 * found[-2].group:
         return None
     return found[-1].needed - (found[-2].needed - found[-1].needed)
 
@@ -166,9 +180,10 @@ def default_dtype(dtype: Optional[torch.dtype]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _fake_group(ranks: int) -> Iterator[Any]:
-    """A fake process group of ``ranks`` (this process rank 0) and its one-dimensional
-    mesh, for the block; torn down after."""
+def _fake_group(ranks: int, replicas: int = 1) -> Iterator[Any]:
+    """A fake process group of ``ranks`` (this process rank 0) and its mesh, for the
+    block (one dimension; with ``replicas``, HSDP's two: replicate, shard); torn down
+    after."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -186,7 +201,10 @@ def _fake_group(ranks: int) -> Iterator[Any]:
     hook = sys.excepthook
     dist.init_process_group("fake", rank=0, world_size=ranks, store=store)
     try:
-        yield init_device_mesh("cpu", (ranks,))
+        if replicas == 1:
+            yield init_device_mesh("cpu", (ranks,))
+        else:
+            yield init_device_mesh("cpu", (replicas, ranks // replicas), mesh_dim_names=("replicate", "shard"))
     finally:
         dist.destroy_process_group()
         sys.excepthook = hook

@@ -153,6 +153,14 @@ def _build_parser() -> argparse.ArgumentParser:
         "kept from its forward to its backward",
     )
     sub.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        metavar="R",
+        help="with --ranks: HSDP, the ranks as R replicas of FSDP groups of N/R ranks each "
+        "(parameters sharded within a group, gradients all-reduced across them)",
+    )
+    sub.add_argument(
         "--gather-dtype",
         choices=["bfloat16", "float16"],
         help="with --ranks: FSDP2's mixed precision, parameters gathered and computed in this dtype, "
@@ -194,8 +202,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     policy = _with_device_memory(args.policy, args.device_memory)
     if args.ranks is not None:
         return _run_ranks(args, build, keyword, policy)
-    if args.keep_gathered or args.gather_dtype:
-        raise UsageError("--keep-gathered and --gather-dtype shard the model with FSDP2: give --ranks N")
+    if args.keep_gathered or args.gather_dtype or args.replicas != 1:
+        raise UsageError("--keep-gathered, --gather-dtype and --replicas shard the model with FSDP2: give --ranks N")
     model, inputs, kwargs, shapes = prepare(args, build, keyword)
     if not inputs and not kwargs and config and "budget:" in policy:
         raise UsageError("a budget is planned from measured costs: give --input NAME=N,N,... (and --labels)")
@@ -248,7 +256,9 @@ def _run_plan(args: argparse.Namespace) -> int:
 def _run_ranks(args: argparse.Namespace, build: Any, keyword: Any, policy: str) -> int:
     """``plan --ranks``: one rank of each count under FSDP2 (``_cli_ranks``), printed as
     the plan of the smallest count that fits, or what a rank would need at the most."""
-    counts = parse_ranks(args.ranks)
+    if args.replicas < 1:
+        raise UsageError(f"bad --replicas {args.replicas}: expected 1 or more (HSDP's replicas of FSDP groups)")
+    counts = parse_ranks(args.ranks, replicas=args.replicas)
     if len(counts) > 1 and args.device_memory is None:
         raise UsageError(
             f"--ranks {args.ranks}: several counts are tried for the smallest that fits, which needs "
@@ -290,7 +300,10 @@ def _run_ranks(args: argparse.Namespace, build: Any, keyword: Any, policy: str) 
     own = dtype or torch.get_default_dtype()
     gathered = DTYPES[args.gather_dtype] if args.gather_dtype else None
     options = sharding_options(args.keep_gathered, gathered, reduce_dtype=own)
-    found = plan_ranks(counts, seeded, inputs, kwargs, planned, options, smallest=args.device_memory is not None)
+    found = plan_ranks(
+        counts, seeded, inputs, kwargs, planned, options, smallest=args.device_memory is not None,
+        replicas=args.replicas,
+    )
     last = found[-1]
     tried = [
         {"ranks": each.ranks, "fits": each.plan is not None, "needed_bytes": each.needed} for each in found
@@ -327,9 +340,12 @@ def _run_ranks(args: argparse.Namespace, build: Any, keyword: Any, policy: str) 
         print(_tried(found[:-1]) + last.why)
         return 1
     if args.json:
-        print(json.dumps({**last.plan.to_dict(), "ranks": last.ranks, "tried": tried}, indent=2))
+        print(json.dumps(
+            {**last.plan.to_dict(), "ranks": last.ranks, "replicas": args.replicas, "tried": tried}, indent=2
+        ))
         return 0
-    head = f"one rank of {last.ranks} under FSDP2 ({last.why})"
+    how = "FSDP2" if args.replicas == 1 else f"HSDP, {args.replicas} replicas of {last.ranks // args.replicas}"
+    head = f"one rank of {last.ranks} under {how} ({last.why})"
     if memory:
         head = f"fits on {devices(last.ranks)}: " + head
     print(head)

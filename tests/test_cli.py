@@ -775,9 +775,10 @@ def test_a_bad_input_dtype_exits_2_naming_it(capsys, argv, message):
 # --------------------------------------------------------------------------- per rank under FSDP2
 
 
-def _per_rank_in_python(ranks: int, policy: str, batch, **shard_options):
+def _per_rank_in_python(ranks: int, policy: str, batch, replicas: int = 1, **shard_options):
     """One rank of ``ranks`` planned as docs/capacity.md shows: built on fake tensors,
-    each decoder layer and then the root sharded over a fake process group."""
+    each decoder layer and then the root sharded over a fake process group (with
+    ``replicas``, HSDP's two-dimensional mesh)."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
@@ -787,7 +788,10 @@ def _per_rank_in_python(ranks: int, policy: str, batch, **shard_options):
     hook = sys.excepthook
     dist.init_process_group("fake", rank=0, world_size=ranks, store=FakeStore())
     try:
-        mesh = init_device_mesh("cpu", (ranks,))
+        if replicas == 1:
+            mesh = init_device_mesh("cpu", (ranks,))
+        else:
+            mesh = init_device_mesh("cpu", (replicas, ranks // replicas), mesh_dim_names=("replicate", "shard"))
         with FakeTensorMode() as mode:
             model = _llama_in_python()
             for layer in model.model.layers:
@@ -838,6 +842,23 @@ def test_ranks_plans_one_rank_under_fsdp2_as_in_python(capsys, sharding):
     assert not torch.distributed.is_initialized() and sys.excepthook is hook
 
 
+def test_replicas_plan_one_rank_under_hsdp_as_in_python(capsys):
+    """Two replicas of FSDP groups of two: a rank holds what one of an FSDP group of two
+    holds, and its step all-reduces the reduce-scattered gradients across replicas."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("torch.distributed.fsdp")
+    code, out, err = _run(capsys, *_RANKED, "--ranks", "4", "--replicas", "2", "--json")
+    assert code == 0, err
+    planned = json.loads(out)
+    expected = _per_rank_in_python(4, "blocks", _batch(), replicas=2)
+    assert (planned["ranks"], planned["replicas"]) == (4, 2)
+    assert planned["device_peak"] == expected.device_peak
+    sharded_over_two = _per_rank_in_python(2, "blocks", _batch())
+    assert planned["device_memory"]["parameters"] == sharded_over_two.device_memory.parameters
+    code, out, err = _run(capsys, *_RANKED, "--ranks", "4", "--replicas", "2")
+    assert code == 0 and out.startswith("one rank of 4 under HSDP, 2 replicas of 2"), out
+
+
 def test_ranks_finds_the_smallest_count_that_fits(capsys):
     pytest.importorskip("transformers")
     pytest.importorskip("torch.distributed.fsdp")
@@ -880,6 +901,9 @@ def test_ranks_says_when_no_count_fits_and_stops_early(capsys):
         (["--ranks", "auto"], "needs the device's memory: give --device-memory"),
         (["--keep-gathered"], "give --ranks N"),
         (["--gather-dtype", "bfloat16"], "give --ranks N"),
+        (["--replicas", "2"], "give --ranks N"),
+        (["--ranks", "3", "--replicas", "2"], "3 is not a multiple of it"),
+        (["--ranks", "2", "--replicas", "0"], "bad --replicas 0"),
         (["--ranks", "2", "--device", "cuda"], "--device cuda has no use there"),
     ],
 )
