@@ -230,8 +230,8 @@ def _measure(
             # Asked with ``torch.autograd.grad`` instead, a real step computed no layer's
             # gradients, so FSDP2 reduce-scattered none, and its all-gathers ran outside
             # every node the backward was followed through: on two gloo ranks plans read
-            # 10-33% under FSDPMemTracker on real tensors (``benchmarks/fsdp2_ranks.py``),
-            # now within 0.3%. (Followed node by node into .grad fields, a gathered
+            # 7-33% under FSDPMemTracker on real tensors (``benchmarks/fsdp2_ranks.py``),
+            # now within 0.7%. (Followed node by node into .grad fields, a gathered
             # gradient FSDP2 frees in its hook was taken as held to the end: +20%.)
             under = _torch_private.dispatch_modes_active()
             sharded = _torch_private.fsdp2_params(model)
