@@ -24,9 +24,7 @@ from ._cli_common import UsageError
 from ._errors import CheckpointConfigError
 from .policy import find_blocks
 
-__all__ = [
-    "RankPlan", "default_dtype", "least_need", "never_fits", "parse_ranks", "plan_ranks", "sharding_options",
-]
+__all__ = ["RankPlan", "least_need", "never_fits", "parse_ranks", "plan_ranks", "sharding_options"]
 
 
 class RankPlan(NamedTuple):
@@ -97,11 +95,11 @@ def plan_ranks(
     replicas: int = 1,
 ) -> List[RankPlan]:
     """Plan one rank of each count in ``counts`` (in order): ``build()`` made on fake
-    tensors, sharded, and ``plan(model, inputs, kwargs)`` called on fake copies of the
-    inputs. With ``replicas`` above 1, HSDP: each count's ranks are that many replicas of
+    tensors (:func:`_on_fake_tensors`), sharded, and ``plan(model, inputs, kwargs)``
+    called on fake copies of the inputs. With ``replicas`` above 1, HSDP: each count's ranks are that many replicas of
     FSDP groups of the count over ``replicas`` ranks (each count a multiple of it, as
-    :func:`parse_ranks` gives). With ``smallest``, stop at the first count that fits, or once no larger count
-    can: a rank's parameters, gradients and optimizer state shrink with the count and the
+    :func:`parse_ranks` gives). With ``smallest``, stop at the first count that fits, or
+    once no larger count can: a rank's parameters, gradients and optimizer state shrink with the count and the
     rest does not, so what a rank needs falls by half as much from 2N to 4N as from N to
     2N, and no count needs less than what 2N needs less that fall (:func:`least_need`). A
     count whose plan does not fit (a ``CheckpointConfigError`` naming what a rank would
@@ -111,8 +109,8 @@ def plan_ranks(
         raise UsageError("--ranks plans on fake tensors, which this torch lacks (torch 2.1 and later have them)")
     found = []
     for count in counts:
-        with _fake_group(count, replicas) as mesh, fake.mode_class() as mode:
-            model = build().train()
+        mode = fake.mode_class()
+        with _fake_group(count, replicas) as mesh, _on_fake_tensors(build, mode) as model, mode:
             units = _shard(model, mesh, options)
             fake_inputs = [mode.from_tensor(t) for t in inputs]
             fake_kwargs = {name: mode.from_tensor(t) for name, t in kwargs.items()}
@@ -165,18 +163,30 @@ def _shard(model: nn.Module, mesh: Any, options: Dict[str, Any]) -> int:
 
 
 @contextlib.contextmanager
-def default_dtype(dtype: Optional[torch.dtype]) -> Iterator[None]:
-    """torch's default dtype set to ``dtype`` for the block (as it was, after); nothing
-    changed for None."""
-    if dtype is None:
-        yield
-        return
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
+def _on_fake_tensors(build: Callable[[], nn.Module], mode: Any) -> Iterator[nn.Module]:
+    """``build()``'s model, in train mode, with each parameter and buffer a fake tensor
+    of ``mode`` on the CPU, for the block.
+
+    Built on the meta device, then each tensor put in its place: built under the fake
+    mode itself, a model's weight initialisation would run on fake tensors, and one
+    that reads values (ViT's truncated normal) fails there; and a module's own
+    conversions (``.to(dtype)``, ``to_empty``) cannot swap a fake parameter for its
+    converted copy. Tied tensors stay tied."""
+    with torch.device("meta"):
+        model = build().train()
+    made: Dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, value in table.items():
+                if isinstance(value, torch.Tensor):
+                    if id(value) not in made:
+                        with mode:
+                            fake = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="cpu")
+                        if isinstance(value, nn.Parameter):
+                            fake = nn.Parameter(fake, requires_grad=value.requires_grad)
+                        made[id(value)] = fake
+                    table[name] = made[id(value)]
+    yield model
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ from torch import nn
 
 from ._cli_common import DTYPES, UsageError, add_model_arguments, build_model, prepare
 from ._cli_models import CONFIG_PREFIX, build_from_config, keyword_inputs
-from ._cli_ranks import RankPlan, default_dtype, least_need, never_fits, parse_ranks, plan_ranks, sharding_options
+from ._cli_ranks import RankPlan, least_need, never_fits, parse_ranks, plan_ranks, sharding_options
 from ._errors import CheckpointConfigError, CheckpointError
 from ._frontier import Point, frontier_candidates, pareto_points
 from .diagnostics import main as doctor_main
@@ -276,18 +276,7 @@ def _run_ranks(args: argparse.Namespace, build: Any, keyword: Any, policy: str) 
     _, inputs, kwargs, _ = prepare(argparse.Namespace(**{**vars(args), "device": "meta"}), build, keyword)
     if not inputs and not kwargs:
         raise UsageError("--ranks plans a training step: give --input NAME=N,N,... (and --labels) or --input-shape")
-    # Built on fake tensors in its dtype as the default one: moved there afterwards
-    # (``.to``), a fake parameter cannot be swapped for its converted copy.
-    dtype = DTYPES[args.dtype] if args.dtype else None
-    if args.factory.startswith(CONFIG_PREFIX):
-        make = functools.partial(build_from_config, args.factory, args.set, args.model_class, None)
-    else:
-        make = functools.partial(build_model, args.factory)
-
-    def seeded() -> nn.Module:
-        torch.manual_seed(args.seed)
-        with default_dtype(dtype):
-            return make()
+    make = build if build is not None else functools.partial(build_model, args.factory)
 
     def planned(model: nn.Module, fake_inputs: Any, fake_kwargs: Any) -> Plan:
         result, _ = plan_and_profile(
@@ -297,11 +286,11 @@ def _run_ranks(args: argparse.Namespace, build: Any, keyword: Any, policy: str) 
         )
         return result
 
-    own = dtype or torch.get_default_dtype()
+    own = DTYPES[args.dtype] if args.dtype else torch.get_default_dtype()
     gathered = DTYPES[args.gather_dtype] if args.gather_dtype else None
     options = sharding_options(args.keep_gathered, gathered, reduce_dtype=own)
     found = plan_ranks(
-        counts, seeded, inputs, kwargs, planned, options, smallest=args.device_memory is not None,
+        counts, make, inputs, kwargs, planned, options, smallest=args.device_memory is not None,
         replicas=args.replicas,
     )
     last = found[-1]

@@ -859,6 +859,24 @@ def test_replicas_plan_one_rank_under_hsdp_as_in_python(capsys):
     assert code == 0 and out.startswith("one rank of 4 under HSDP, 2 replicas of 2"), out
 
 
+def test_ranks_plans_a_model_whose_initialisation_reads_values(capsys):
+    """ViT's weights start from a truncated normal, which reads values: built on fake
+    tensors it would fail, so the model is built on the meta device and each tensor made
+    fake after (tied ones staying tied)."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("torch.distributed.fsdp")
+    fields = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+    argv = ["hf:ViTConfig", *[f for key, value in fields.items() for f in ("--set", f"{key}={value}")],
+            "--model-class", "ViTForImageClassification", "--input", "pixel_values=2,3,64,64", "--set", "image_size=64",
+            "--optimizer", "adamw", "--ranks", "2", "--json"]
+    code, out, err = _run(capsys, *argv)
+    assert code == 0, err
+    whole = transformers.ViTForImageClassification(transformers.ViTConfig(image_size=64, **fields))
+    whole_bytes = sum(p.numel() * p.element_size() for p in whole.parameters())
+    held = json.loads(out)["device_memory"]["parameters"]
+    assert whole_bytes / 2 <= held <= 0.51 * whole_bytes  # half of each parameter, padded
+
+
 def test_ranks_finds_the_smallest_count_that_fits(capsys):
     pytest.importorskip("transformers")
     pytest.importorskip("torch.distributed.fsdp")
