@@ -1,6 +1,6 @@
-"""One rank of N under FSDP2, for ``python -m ckptwrap plan --ranks``: the model built on
-fake tensors and sharded with ``fully_shard`` over a fake process group of N, as training
-scripts shard it (each block the ``blocks`` policy finds, the innermost first, then the
+"""One rank of N under FSDP2, for ``python -m ckptwrap plan --ranks``: the model made of
+fake tensors (built on the meta device, each tensor then made fake) and sharded with
+``fully_shard`` over a fake process group of N, as training scripts shard it (each block the ``blocks`` policy finds, the innermost first, then the
 root), then planned there as any model on fake tensors is. Over several counts, the
 smallest whose plan fits the device.
 
