@@ -96,10 +96,10 @@ def _rank(request: Dict[str, Any]) -> Dict[str, Any]:
     import transformers
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import ckptwrap
+    from ckptwrap._cli_ranks import shard_blocks
     from ckptwrap.policy import find_blocks
 
     warnings.simplefilter("ignore")
@@ -115,10 +115,7 @@ def _rank(request: Dict[str, Any]) -> Dict[str, Any]:
     def sharded() -> torch.nn.Module:
         # Each block (a decoder layer; T5's encoder and decoder blocks), then the root.
         model = model_class(config).train()
-        modules = dict(model.named_modules())
-        for name in find_blocks(model):
-            fully_shard(modules[name], mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        shard_blocks(model, mesh, {})
         return model
 
     ids = torch.randint(config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0))

@@ -49,7 +49,7 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -57,9 +57,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import ckptwrap  # noqa: E402
-from _allocator import allocator_peak  # noqa: E402
+from ckptwrap._cli_ranks import shard_blocks, sharding_options  # noqa: E402
 from ckptwrap.policy import find_blocks  # noqa: E402
 from ckptwrap.wrap._marks import apply_plan  # noqa: E402
+from whole_iteration import held, iteration, reading  # noqa: E402
 
 VOCAB = 1024
 PLANNED = {0: (1, 96), 1: (2, 256), 2: (2, 160), 3: (3, 64)}
@@ -114,56 +115,24 @@ def shard(
     model: torch.nn.Module, reshard_after_forward: bool = True, mixed: bool = False, replicas: int = 1,
 ) -> torch.nn.Module:
     """Each block, then the root, as one FSDP2 unit over every rank (or, with
-    ``replicas``, over each replica's share of the ranks, replicated across them: HSDP)."""
+    ``replicas``, over each replica's share of the ranks, replicated across them: HSDP),
+    as ``python -m ckptwrap plan --ranks`` shards it; ``mixed``: bfloat16 parameters,
+    float32 gradient reduction."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    options: Dict[str, Any] = {"reshard_after_forward": reshard_after_forward}
+    mesh = None
     if replicas > 1:
         world = dist.get_world_size()
-        options["mesh"] = init_device_mesh("cpu", (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
-    if mixed:
-        options["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    modules = dict(model.named_modules())
-    for name in find_blocks(model):  # each decoder layer; T5's encoder and decoder blocks
-        fully_shard(modules[name], **options)
-    return fully_shard(model, **options)
+        mesh = init_device_mesh("cpu", (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
+    options = sharding_options(not reshard_after_forward, torch.bfloat16 if mixed else None, torch.float32)
+    shard_blocks(model, mesh, options)
+    return model
 
 
 def batch_of(rank: int, rows: int, length: int, seed: int) -> Dict[str, torch.Tensor]:
     ids = torch.randint(VOCAB, (rows, length), generator=torch.Generator().manual_seed(1000 * seed + rank))
     return {"input_ids": ids, "labels": ids.clone()}
-
-
-def held(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Dict[str, Any]) -> int:
-    """Bytes of the distinct storages of this rank's parameter shards, buffers, optimizer
-    state and batch (a DTensor's by its local shard's storage, FSDP2's padding included)."""
-    found = [*model.parameters(), *model.buffers(), *batch.values()]
-    found += [value for state in optimizer.state.values() for value in state.values()]
-    storages = {}
-    for tensor in found:
-        if torch.is_tensor(tensor):
-            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-            storages[local.untyped_storage()._cdata] = local.untyped_storage().nbytes()
-    return sum(storages.values())
-
-
-def iteration(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Dict[str, Any]) -> Callable[[], None]:
-    def run() -> None:
-        out = model(**batch)
-        out.loss.backward()
-        del out
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return run
-
-
-def reading(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Dict[str, Any]) -> int:
-    """One iteration's peak on this rank: the storages held before it and the allocator's
-    peak over it."""
-    return held(model, optimizer, batch) + allocator_peak(iteration(model, optimizer, batch))
 
 
 def tracked(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Dict[str, Any]) -> int:

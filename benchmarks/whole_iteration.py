@@ -88,27 +88,40 @@ MODELS: Dict[str, Callable[[], Tuple[Callable[[], torch.nn.Module], Callable[[],
 
 def held(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Any = None) -> int:
     """Bytes of the distinct storages of the parameters, buffers and optimizer state, and
-    of the batch's tensors (made before the step, held through it)."""
+    of the batch's tensors (made before the step, held through it); a DTensor's (FSDP2's
+    shard) by its local tensor's storage, padding included."""
     found = [*model.parameters(), *model.buffers()]
     found += [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
     found += [v for v in (batch or {}).values() if torch.is_tensor(v)]
-    return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in found}.values())
+    local = [t.to_local() if hasattr(t, "to_local") else t for t in found]
+    return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in local}.values())
 
 
-def iteration_peak(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Dict[str, Any]) -> int:
-    """The device's peak over the second of two training iterations: the storages held
-    before it, and the allocator's peak over it."""
+def iteration(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Dict[str, Any]) -> Callable[[], None]:
+    """One training iteration on ``batch``, as a loop writes it: the output kept through
+    the backward, then the optimizer's step and ``zero_grad``."""
 
-    def iteration() -> None:
+    def run() -> None:
         out = model(**batch)
         out.loss.backward()
         del out
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    iteration()  # the optimizer makes its state
-    before = held(model, optimizer, batch)
-    return before + allocator_peak(iteration)
+    return run
+
+
+def reading(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Dict[str, Any]) -> int:
+    """One iteration's peak on the device: the storages held before it, and the
+    allocator's peak over it."""
+    return held(model, optimizer, batch) + allocator_peak(iteration(model, optimizer, batch))
+
+
+def iteration_peak(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Dict[str, Any]) -> int:
+    """The device's peak over the second of two training iterations (the first makes the
+    optimizer's state)."""
+    iteration(model, optimizer, batch)()
+    return reading(model, optimizer, batch)
 
 
 def measured_iteration(build: Callable[[], torch.nn.Module], plan: Any, batch: Dict[str, torch.Tensor]) -> int:

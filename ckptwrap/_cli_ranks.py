@@ -1,8 +1,8 @@
 """One rank of N under FSDP2, for ``python -m ckptwrap plan --ranks``: the model made of
 fake tensors (built on the meta device, each tensor then made fake) and sharded with
-``fully_shard`` over a fake process group of N, as training scripts shard it (each block the ``blocks`` policy finds, the innermost first, then the
-root), then planned there as any model on fake tensors is. Over several counts, the
-smallest whose plan fits the device.
+``fully_shard`` over a fake process group of N as training scripts shard it
+(:func:`shard_blocks`), then planned there as any model on fake tensors is. Over several
+counts, the smallest whose plan fits the device.
 
 Nothing is allocated and nothing communicates: the fake group answers every collective
 at once, and each count gets a group and a model of its own (the group is process-wide,
@@ -24,7 +24,7 @@ from ._cli_common import UsageError
 from ._errors import CheckpointConfigError
 from .policy import find_blocks
 
-__all__ = ["RankPlan", "least_need", "never_fits", "parse_ranks", "plan_ranks", "sharding_options"]
+__all__ = ["RankPlan", "beyond_reach", "parse_ranks", "plan_ranks", "shard_blocks", "sharding_options"]
 
 
 class RankPlan(NamedTuple):
@@ -96,12 +96,10 @@ def plan_ranks(
 ) -> List[RankPlan]:
     """Plan one rank of each count in ``counts`` (in order): ``build()`` made on fake
     tensors (:func:`_on_fake_tensors`), sharded, and ``plan(model, inputs, kwargs)``
-    called on fake copies of the inputs. With ``replicas`` above 1, HSDP: each count's ranks are that many replicas of
-    FSDP groups of the count over ``replicas`` ranks (each count a multiple of it, as
-    :func:`parse_ranks` gives). With ``smallest``, stop at the first count that fits, or
-    once no larger count can: a rank's parameters, gradients and optimizer state shrink with the count and the
-    rest does not, so what a rank needs falls by half as much from 2N to 4N as from N to
-    2N, and no count needs less than what 2N needs less that fall (:func:`least_need`). A
+    called on fake copies of the inputs. With ``replicas`` above 1, HSDP: each count's
+    ranks are that many replicas of FSDP groups of the count over ``replicas`` ranks
+    (each count a multiple of it, as :func:`parse_ranks` gives). With ``smallest``, stop
+    at the first count that fits, or once no larger count can (:func:`beyond_reach`). A
     count whose plan does not fit (a ``CheckpointConfigError`` naming what a rank would
     need) is recorded so; any other error is raised."""
     fake = _torch_private.fake_tensor
@@ -111,7 +109,7 @@ def plan_ranks(
     for count in counts:
         mode = fake.mode_class()
         with _fake_group(count, replicas) as mesh, _on_fake_tensors(build, mode) as model, mode:
-            units = _shard(model, mesh, options)
+            units = shard_blocks(model, mesh, options)
             fake_inputs = [mode.from_tensor(t) for t in inputs]
             fake_kwargs = {name: mode.from_tensor(t) for name, t in kwargs.items()}
             try:
@@ -124,34 +122,34 @@ def plan_ranks(
                 ))
             else:
                 found.append(RankPlan(count, count // replicas, plan=made, why=f"{units} blocks and the root sharded"))
-        if smallest and (found[-1].plan is not None or never_fits(found)):
+        if smallest and (found[-1].plan is not None or beyond_reach(found) is not None):
             break
     return found
 
 
-def least_need(found: Sequence[RankPlan]) -> Optional[int]:
-    """The least any larger count could need, from the last two counts that did not fit,
-    sharding over groups twice apart of 2 or more ranks: what the larger needs, less what
-    doubling the group took off (the sharded part halves at each doubling, so all further
-    doublings together take off at most that much again; FSDP2's padding of each shard
-    only adds). None without two such counts. (A group of one rank is no guide: it
-    gathers nothing, and its step makes no all-gather or reduce-scatter buffers.)"""
-    if len(found) < 2 or found[-1].needed is None or found[-2].needed is None:
+def beyond_reach(found: Sequence[RankPlan]) -> Optional[int]:
+    """Where no larger count can fit, the least any would need; else None.
+
+    A rank's parameters, gradients and optimizer state shrink with the count and the
+    rest does not, so what a rank needs falls by half as much from 2N to 4N as from N to
+    2N: from the last two counts, sharding over groups twice apart of 2 or more ranks,
+    that did not fit, no larger count needs less than what the larger needed less what
+    doubling took off (FSDP2's padding of each shard only adds). Known only from two
+    such counts; a group of one rank is no guide (it gathers nothing, and its step makes
+    no all-gather or reduce-scatter buffers)."""
+    if len(found) < 2 or None in (found[-1].needed, found[-2].needed, found[-1].offered):
         return None
     if found[-2].group < 2 or found[-1].group != 2 * found[-2].group:
         return None
-    return found[-1].needed - (found[-2].needed - found[-1].needed)
+    least = found[-1].needed - (found[-2].needed - found[-1].needed)
+    return least if least > found[-1].offered else None
 
 
-def never_fits(found: Sequence[RankPlan]) -> bool:
-    """Whether no larger count can fit: :func:`least_need` above the device's memory."""
-    least = least_need(found)
-    return least is not None and found[-1].offered is not None and least > found[-1].offered
-
-
-def _shard(model: nn.Module, mesh: Any, options: Dict[str, Any]) -> int:
-    """Shard ``model`` as training scripts do: each block, the innermost first (FSDP2
-    shards nested units from the inside out), then the root. Returns the blocks sharded."""
+def shard_blocks(model: nn.Module, mesh: Any, options: Dict[str, Any]) -> int:
+    """Shard ``model`` as training scripts do: each block the ``blocks`` policy finds,
+    the innermost first (FSDP2 shards nested units from the inside out), then the root,
+    with ``fully_shard``'s ``options`` over ``mesh`` (None: the default group). Returns
+    the blocks sharded."""
     from torch.distributed.fsdp import fully_shard
 
     names = find_blocks(model)

@@ -21,7 +21,7 @@ from torch import nn
 
 from ._cli_common import DTYPES, UsageError, add_model_arguments, build_model, prepare
 from ._cli_models import CONFIG_PREFIX, build_from_config, keyword_inputs
-from ._cli_ranks import RankPlan, least_need, never_fits, parse_ranks, plan_ranks, sharding_options
+from ._cli_ranks import RankPlan, beyond_reach, parse_ranks, plan_ranks, sharding_options
 from ._errors import CheckpointConfigError, CheckpointError
 from ._frontier import Point, frontier_candidates, pareto_points
 from .diagnostics import main as doctor_main
@@ -307,7 +307,7 @@ def _run_ranks(args: argparse.Namespace, build: Any, keyword: Any, policy: str) 
         return f"{count} {kind}" if count > 1 else f"1 device of {memory}"
 
     if last.plan is None:
-        least = least_need(found) if never_fits(found) else None
+        least = beyond_reach(found)
         answer = {
             "fits": False, "ranks": last.ranks, "needed_bytes": last.needed, "why": last.why, "tried": tried,
             "least_needed_bytes": least,

@@ -220,19 +220,15 @@ def _measure(
                 del output
             recorder.phases.follow(roots)
             wanted = [p for p in model.parameters() if p.requires_grad]
-            # A model sharded by FSDP2 backpropagates into fresh .grad fields, put back
-            # after: its layers' gradients are FSDP2's to reduce-scatter (see
-            # ``_backward_keeping_grads``), and the counter is on the stack for the whole
-            # backward, as on fake tensors (and under a mode of the caller's): what FSDP2's
-            # hooks between nodes allocate and free counts (a layer's all-gather before its
-            # backward, in a tensor hook that runs before any node's pre-hook; its
-            # reduce-scatter after), and so do the resizes that free gathered storages.
-            # Asked with ``torch.autograd.grad`` instead, a real step computed no layer's
-            # gradients, so FSDP2 reduce-scattered none, and its all-gathers ran outside
-            # every node the backward was followed through: on two gloo ranks plans read
-            # 7-33% under FSDPMemTracker on real tensors (``benchmarks/fsdp2_ranks.py``),
-            # now within 0.7%. (Followed node by node into .grad fields, a gathered
-            # gradient FSDP2 frees in its hook was taken as held to the end: +20%.)
+            # A model sharded by FSDP2 backpropagates into fresh .grad fields, FSDP2's to
+            # reduce-scatter (``_backward_keeping_grads``), with the counter on the stack
+            # for the whole backward, as under modes already (a step on fake tensors): what
+            # FSDP2's hooks between nodes allocate and free counts (a layer's all-gather in
+            # a tensor hook, before any node's pre-hook; its reduce-scatter after), and so
+            # do the resizes that free gathered storages. Followed node by node, a real
+            # step missed the all-gathers (7-33% under FSDPMemTracker on two gloo ranks,
+            # ``benchmarks/fsdp2_ranks.py``; now within 0.7%), and took a gathered gradient
+            # FSDP2 frees in its hook as held to the end.
             under = _torch_private.dispatch_modes_active()
             sharded = _torch_private.fsdp2_params(model)
             if roots and wanted and not sharded and reaches_reentrant(roots):
