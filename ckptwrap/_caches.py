@@ -268,14 +268,11 @@ class GivenCaches:
         region in errors)."""
         return _OnCopies(call, self, region)
 
-    def one_run(
-        self, region: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]
-    ) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+    def one_run(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
         """The call's arguments for its one run, which nothing recomputes (a module the
-        plan leaves un-checkpointed): copies of the transformers caches in training, the
-        other objects themselves."""
-        objects, _ = self.run_on(region)
-        return _all_replaced(*self.arguments(args, kwargs), objects)
+        plan leaves un-checkpointed): the snapshots of the transformers caches in training
+        (copies already, which the run may write), the other objects themselves."""
+        return _all_replaced(args, kwargs, {key: self._snapshots[key] for key in self.copied})
 
     def run_on(self, region: Any) -> Tuple[Dict[int, Any], _Versions]:
         """What one run gets for each snapshot (by the snapshot's id): the object itself

@@ -100,7 +100,7 @@ class CacheWritesOff:
         if caches is None or not caches.copied:
             return None
         _note(module, caches, "candidate")
-        return caches.one_run(module, args, kwargs)
+        return caches.one_run(args, kwargs)
 
 
 def cache_writes_off(layers: Iterable[nn.Module]) -> None:
