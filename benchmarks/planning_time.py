@@ -1,7 +1,7 @@
 """What planning costs at a realistic size, in plain training steps of the same model.
 
 GPT-2 124M (transformers' default GPT2Config, random weights) at 2 x 512 tokens, on the
-CPU: one plain training step (forward and backward, the faster of two after a warm-up),
+CPU (or ``--device cuda``): one plain training step (forward and backward, the faster of two after a warm-up),
 then, each beside it as a ratio:
 
 - ``plan(blocks)`` and ``plan(budget:50%)`` with example inputs (one measured step each);
@@ -11,7 +11,7 @@ then, each beside it as a ratio:
 
 Target: planning within a few plain steps.
 
-    python benchmarks/planning_time.py [--rows 2] [--length 512] [--threads N] [--budget budget:50%]
+    python benchmarks/planning_time.py [--rows 2] [--length 512] [--threads N] [--budget budget:50%] [--device cuda]
 """
 
 from __future__ import annotations
@@ -32,8 +32,15 @@ TARGET = 3.0
 
 
 def _seconds(run: Callable[[], object]) -> float:
+    """Wall-clock seconds of ``run()``, with the accelerator's queue (if any) drained
+    before and after."""
+    accelerated = torch.accelerator.is_available()
+    if accelerated:
+        torch.accelerator.synchronize()
     start = time.perf_counter()
     run()
+    if accelerated:
+        torch.accelerator.synchronize()
     return time.perf_counter() - start
 
 
@@ -43,15 +50,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--length", type=int, default=512)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--budget", default="budget:50%", help="the budget planned (default budget:50%%)")
+    parser.add_argument("--device", default="cpu", help="where the model trains (default cpu; cuda on a GPU)")
     args = parser.parse_args(argv)
     import transformers
 
     torch.set_num_threads(args.threads)
     config = transformers.GPT2Config()
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(config).train()
+    model = transformers.GPT2LMHeadModel(config).train().to(args.device)
     ids = torch.randint(config.vocab_size, (args.rows, args.length), generator=torch.Generator().manual_seed(0))
-    batch = {"input_ids": ids, "labels": ids}
+    on_cpu = {"input_ids": ids, "labels": ids}
+    batch = {name: value.to(args.device) for name, value in on_cpu.items()}
 
     def step(trained: torch.nn.Module) -> None:
         out = trained(**batch)
@@ -69,14 +78,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         warnings.simplefilter("ignore")
         rows.append(("plan(blocks), example inputs", _seconds(lambda: ckptwrap.plan(model, "blocks", example_kwargs=batch))))
         rows.append((f"plan({budget}), example inputs", _seconds(lambda: ckptwrap.plan(model, budget, example_kwargs=batch))))
-        rows.append((f"plan({budget}), meta device", _seconds(lambda: ckptwrap.plan(meta, budget, example_kwargs=batch))))
+        rows.append((f"plan({budget}), meta device", _seconds(lambda: ckptwrap.plan(meta, budget, example_kwargs=on_cpu))))
         rows.append((f"lazy {budget}, first step (measured)", _seconds(lambda: step(lazy))))
         rows.append((f"lazy {budget}, second step (solved)", _seconds(lambda: step(lazy))))
-    print(f"GPT-2 124M, {args.rows} x {args.length} tokens, {args.threads} threads: plain step {plain:.2f} s\n")
+    where = f"{args.threads} threads" if args.device == "cpu" else args.device
+    print(f"GPT-2 124M, {args.rows} x {args.length} tokens, {where}: plain step {plain:.3f} s\n")
     width = max(len(name) for name, _ in rows)
     print(f"{'':{width}}  seconds  plain steps")
     for name, seconds in rows:
-        print(f"{name:{width}}  {seconds:7.2f}  {seconds / plain:11.2f}")
+        print(f"{name:{width}}  {seconds:7.3f}  {seconds / plain:11.2f}")
     worst = max(seconds / plain for _, seconds in rows[:4])
     print(f"\ntarget (planning within {TARGET:.0f} plain steps): {'met' if worst <= TARGET else 'MISSED'} (worst {worst:.2f})")
     return 0 if worst <= TARGET else 1
