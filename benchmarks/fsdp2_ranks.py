@@ -1,6 +1,7 @@
 """Plans and budgets per rank under real FSDP2: N processes on the CPU (gloo, loopback),
-each training a small Llama (or, with ``--model t5``, a small T5) sharded with
-``fully_shard`` (each block, then the root) on batches of its own shapes.
+or one per GPU with ``--device cuda`` (NCCL), each training a small Llama (or, with
+``--model t5``, a small T5) sharded with ``fully_shard`` (each block, then the root) on
+batches of its own shapes.
 
 Two tables, one row per rank:
 
@@ -30,7 +31,15 @@ FSDPMemTracker (steady to the byte over repeated iterations) nor the plan sees. 
 least and the most of four readings, and the lazy loop's slack of two layers' gathered
 parameters over the budget's 3%.
 
-    python benchmarks/fsdp2_ranks.py [--ranks 2,4] [--model llama|t5]
+    python benchmarks/fsdp2_ranks.py [--ranks 2,4] [--model llama|t5] [--width 64 --layers 4]
+    python benchmarks/fsdp2_ranks.py --device cuda --ranks 1 --width 1024 --layers 8 [--json PATH]
+
+On CUDA the allocator is CUDA's (its events under ``torch.profiler``; no gloo copies,
+so the readings are steady) and FSDPMemTracker reads the GPU; a rank count is at most
+the GPUs there are (one GPU: one rank, whose all-gathers and reduce-scatters still run
+through NCCL and FSDP2's buffers). ``--json`` writes both tables and the targets (every
+planned row within 3% of the allocator's least reading; the lazy loop within its promise
+and slack) for ``scripts/gpu_check.py``.
 
 A rank is this script run with ``--rank-of WORLD`` and the environment torchrun would set
 (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); ``tests/distributed``
@@ -40,6 +49,7 @@ imports :func:`rank_report` and runs it in its own two-process launch.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import json
@@ -92,27 +102,49 @@ encoder-decoder (width 64, 4 + 4 layers, gated GELU, eager attention with relati
 position bias, which every block of a stack takes from its first)."""
 
 
-def build(model: str = "llama") -> torch.nn.Module:
-    """One of :data:`MODELS`, the same on every rank (seeded), in train mode."""
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What every rank trains, and where: the model (of :data:`MODELS`), its width and
+    layers (per stack), the device type (``cpu``: gloo; ``cuda``: NCCL, a GPU per rank)."""
+
+    model: str = "llama"
+    width: int = 64
+    layers: int = 4
+    device: str = "cpu"
+
+    def where(self) -> torch.device:
+        """This rank's device (``LOCAL_RANK``'s GPU on CUDA)."""
+        if self.device == "cpu":
+            return torch.device("cpu")
+        return torch.device(self.device, int(os.environ.get("LOCAL_RANK", "0")))
+
+
+def build(setup: Setup = Setup()) -> torch.nn.Module:
+    """The model ``setup`` names, the same on every rank (seeded), in train mode on the
+    rank's device."""
     import transformers
 
     torch.manual_seed(0)
-    if model == "t5":
+    width, layers = setup.width, setup.layers
+    if setup.model == "t5":
         config = transformers.T5Config(
-            vocab_size=VOCAB, d_model=64, d_ff=160, d_kv=16, num_heads=8, num_layers=4, num_decoder_layers=4,
-            feed_forward_proj="gated-gelu", tie_word_embeddings=False, decoder_start_token_id=0, pad_token_id=0,
-            use_cache=False,
+            vocab_size=VOCAB, d_model=width, d_ff=width * 5 // 2, d_kv=16, num_heads=width // 8, num_layers=layers,
+            num_decoder_layers=layers, feed_forward_proj="gated-gelu", tie_word_embeddings=False,
+            decoder_start_token_id=0, pad_token_id=0, use_cache=False,
         )
-        return transformers.T5ForConditionalGeneration(config).train()
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=256, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=4, use_cache=False,
-    )
-    return transformers.LlamaForCausalLM(config).train()
+        model = transformers.T5ForConditionalGeneration(config)
+    else:
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=width, intermediate_size=4 * width, num_hidden_layers=layers,
+            num_attention_heads=width // 16, num_key_value_heads=width // 16, use_cache=False,
+        )
+        model = transformers.LlamaForCausalLM(config)
+    return model.to(setup.where()).train()
 
 
 def shard(
     model: torch.nn.Module, reshard_after_forward: bool = True, mixed: bool = False, replicas: int = 1,
+    device: str = "cpu",
 ) -> torch.nn.Module:
     """Each block, then the root, as one FSDP2 unit over every rank (or, with
     ``replicas``, over each replica's share of the ranks, replicated across them: HSDP),
@@ -124,18 +156,19 @@ def shard(
     mesh = None
     if replicas > 1:
         world = dist.get_world_size()
-        mesh = init_device_mesh("cpu", (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(device, (replicas, world // replicas), mesh_dim_names=("replicate", "shard"))
     options = sharding_options(not reshard_after_forward, torch.bfloat16 if mixed else None, torch.float32)
     shard_blocks(model, mesh, options)
     return model
 
 
-def batch_of(rank: int, rows: int, length: int, seed: int) -> Dict[str, torch.Tensor]:
+def batch_of(rank: int, rows: int, length: int, seed: int, setup: Setup = Setup()) -> Dict[str, torch.Tensor]:
     ids = torch.randint(VOCAB, (rows, length), generator=torch.Generator().manual_seed(1000 * seed + rank))
+    ids = ids.to(setup.where())
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-def tracked(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Dict[str, Any]) -> int:
+def tracked(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Dict[str, Any], setup: Setup) -> int:
     """``FSDPMemTracker``'s peak over one iteration on this rank."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
@@ -143,7 +176,7 @@ def tracked(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Dic
     tracker.track_inputs((batch,))
     with tracker:
         iteration(model, optimizer, batch)()
-    return tracker.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    return tracker.get_tracker_snapshot("peak")[setup.where()]["Total"]
 
 
 def largest_unit(model: torch.nn.Module) -> int:
@@ -160,18 +193,19 @@ def largest_unit(model: torch.nn.Module) -> int:
     return max(sizes)
 
 
-def planned(rank: int, world: int, kind: str) -> List[Dict[str, Any]]:
+def planned(rank: int, world: int, setup: Setup) -> List[Dict[str, Any]]:
     """The first table's rows for this rank (see the module)."""
     rows, length = PLANNED[rank]
-    batch = batch_of(rank, rows, length, seed=0)
+    batch = batch_of(rank, rows, length, seed=0, setup=setup)
     found = []
     for sharding, options in SHARDINGS.items():
-        if world < 2 * options.get("replicas", 1):
+        replicas = options.get("replicas", 1)
+        if replicas > 1 and world < 2 * replicas:  # HSDP needs groups of two or more
             continue
         for policy in ("none", "blocks", "budget:total"):
             if policy == "budget:total" and sharding != "default":
                 continue
-            model = shard(build(kind), **options)
+            model = shard(build(setup), **options, device=setup.device)
             optimizer = torch.optim.AdamW(model.parameters())
             total = None
             if policy == "budget:total":
@@ -184,48 +218,54 @@ def planned(rank: int, world: int, kind: str) -> List[Dict[str, Any]]:
                 plan = ckptwrap.plan(model, policy, example_kwargs=batch, optimizer=optimizer)
             apply_plan(model, plan)
             iteration(model, optimizer, batch)()  # the optimizer makes its state
-            readings = [reading(model, optimizer, batch) for _ in range(READINGS)]
+            readings = [reading(model, optimizer, batch, setup.device) for _ in range(READINGS)]
             found.append(dict(
                 rank=rank, batch=[rows, length], sharding=sharding, policy=policy, total=total,
                 checkpointed=len(plan.selected), predicted=plan.device_peak, plain_step=plan.plain_peak,
-                tracked=tracked(model, optimizer, batch), least=min(readings), most=max(readings),
+                tracked=tracked(model, optimizer, batch, setup), least=min(readings), most=max(readings),
                 unit=largest_unit(model), blocks=len(find_blocks(model)),
             ))
             del model, optimizer
-            gc.collect()
+            _collect(setup)
     return found
 
 
-def lazy(rank: int, kind: str) -> Dict[str, Any]:
+def _collect(setup: Setup) -> None:
+    gc.collect()
+    if setup.device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def lazy(rank: int, setup: Setup) -> Dict[str, Any]:
     """The second table's rows for this rank (see the module)."""
-    plain = shard(build(kind))
+    plain = shard(build(setup), device=setup.device)
     plain_optimizer = torch.optim.AdamW(plain.parameters())
-    longest = batch_of(rank, *LONGEST, seed=0)
+    longest = batch_of(rank, *LONGEST, seed=0, setup=setup)
     lo = ckptwrap.plan(plain, "blocks", example_kwargs=longest, optimizer=plain_optimizer).device_peak
     hi = ckptwrap.plan(plain, "none", example_kwargs=longest, optimizer=plain_optimizer).device_peak
     total = (lo + hi) // 2
     iteration(plain, plain_optimizer, longest)()  # its optimizer's state made, as the loop's will be
-    model = shard(build(kind))
+    model = shard(build(setup), device=setup.device)
     optimizer = torch.optim.AdamW(model.parameters())
     ckptwrap.wrap_model(model, f"budget:total={total}B", optimizer=optimizer)
     steps = []
     for step, (rows, length) in enumerate(LAZY[rank]):
-        batch = batch_of(rank, rows, length, seed=step + 1)
-        peak = reading(model, optimizer, batch)
+        batch = batch_of(rank, rows, length, seed=step + 1, setup=setup)
+        peak = reading(model, optimizer, batch, setup.device)
         plain_held = held(plain, plain_optimizer, batch)
         steps.append(dict(
-            batch=[rows, length], peak=peak, plain=reading(plain, plain_optimizer, batch) - plain_held,
+            batch=[rows, length], peak=peak, plain=reading(plain, plain_optimizer, batch, setup.device) - plain_held,
             checkpointed=len(model.ckptwrap_plan),
         ))
     return dict(rank=rank, total=total, slack=2 * largest_unit(model), steps=steps)
 
 
-def rank_report(rank: int, world: int, kind: str = "llama") -> Dict[str, Any]:
-    """Both tables' rows for this rank of ``world`` on the model ``kind`` (of
-    :data:`MODELS`); every rank of the group must call it together (FSDP2's collectives)."""
+def rank_report(rank: int, world: int, setup: Setup = Setup()) -> Dict[str, Any]:
+    """Both tables' rows for this rank of ``world`` on what ``setup`` says; every rank of
+    the group must call it together (FSDP2's collectives)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return {"planned": planned(rank, world, kind), "lazy": lazy(rank, kind)}
+        return {"planned": planned(rank, world, setup), "lazy": lazy(rank, setup)}
 
 
 def worst_over(report: Dict[str, Any]) -> float:
@@ -238,32 +278,46 @@ def worst_over(report: Dict[str, Any]) -> float:
     return worst
 
 
-def _run_rank(world: int, kind: str, out: Path) -> None:
+def worst_within(report: Dict[str, Any]) -> float:
+    """The lazy loop's largest step above its total less the slack (two layers'
+    gathered parameters), as a share of the largest plain step so far: at most
+    :data:`PROMISE` where the budget holds."""
+    largest, worst = 0, -float("inf")
+    for step in report["steps"]:
+        largest = max(largest, step["plain"])
+        worst = max(worst, (step["peak"] - report["total"] - report["slack"]) / largest)
+    return worst
+
+
+def _run_rank(world: int, setup: Setup, out: Path) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    timeout = datetime.timedelta(seconds=600)
+    if setup.device == "cuda":
+        torch.cuda.set_device(setup.where())
+        dist.init_process_group("nccl", timeout=timeout, device_id=setup.where())
+    else:
+        dist.init_process_group("gloo", timeout=timeout)
     try:
-        out.write_text(json.dumps(rank_report(rank, world, kind)))
+        out.write_text(json.dumps(rank_report(rank, world, setup)))
     finally:
         gc.collect()  # a sharded model that outlives the group can crash the process at exit
         dist.destroy_process_group()
 
 
-def _launch(world: int, kind: str, folder: Path) -> List[Dict[str, Any]]:
+def _launch(world: int, setup: Setup, folder: Path) -> List[Dict[str, Any]]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
     if sys.platform.startswith("linux"):
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    flags = ["--model", setup.model, "--width", str(setup.width), "--layers", str(setup.layers), "--device", setup.device]
     ranks = [
         subprocess.Popen(
-            [
-                sys.executable, __file__, "--rank-of", str(world), "--model", kind,
-                "--out", str(folder / f"rank{rank}.json"),
-            ],
+            [sys.executable, __file__, "--rank-of", str(world), *flags, "--out", str(folder / f"rank{rank}.json")],
             env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         for rank in range(world)
@@ -279,53 +333,90 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.2f}"
 
 
-def _print_planned(world: int, reports: Sequence[Dict[str, Any]]) -> None:
-    print(f"\n{world} ranks, planned with example inputs (MiB per rank; the allocator: least and most of {READINGS} iterations)\n")
-    print("| rank | batch | sharding | policy | checkpointed | predicted | FSDPMemTracker | predicted / tracker | allocator least | allocator most |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+def _planned_table(world: int, reports: Sequence[Dict[str, Any]]) -> str:
+    lines = [
+        f"{world} ranks, planned with example inputs (MiB per rank; the allocator: least and most of {READINGS} iterations)",
+        "",
+        "| rank | batch | sharding | policy | checkpointed | predicted | FSDPMemTracker | predicted / tracker | allocator least | allocator most |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for report in reports:
         for row in report["planned"]:
             policy = row["policy"] if row["total"] is None else f"budget:total={_mib(row['total'])}MiB"
-            print(
+            lines.append(
                 f"| {row['rank']} | {row['batch'][0]}x{row['batch'][1]} | {row['sharding']} | {policy} "
                 f"| {row['checkpointed']}/{row['blocks']} "
                 f"| {_mib(row['predicted'])} | {_mib(row['tracked'])} | {row['predicted'] / row['tracked']:.4f} "
                 f"| {_mib(row['least'])} | {_mib(row['most'])} |"
             )
+    return "\n".join(lines)
 
 
-def _print_lazy(world: int, reports: Sequence[Dict[str, Any]]) -> None:
-    print(f"\n{world} ranks, a lazy budget:total, batches of each rank's own shapes (MiB per rank)\n")
-    print("| rank | total | steps (batch: iteration / plain step, checkpointed) | most above the total, share of plain |")
-    print("|---|---|---|---|")
+def _lazy_table(world: int, reports: Sequence[Dict[str, Any]]) -> str:
+    lines = [
+        f"{world} ranks, a lazy budget:total, batches of each rank's own shapes (MiB per rank)",
+        "",
+        "| rank | total | steps (batch: iteration / plain step, checkpointed) | most above the total, share of plain |",
+        "|---|---|---|---|",
+    ]
     for report in reports:
         lazy = report["lazy"]
         steps = ", ".join(
             f"{s['batch'][0]}x{s['batch'][1]}: {_mib(s['peak'])}/{_mib(s['plain'])} ({s['checkpointed']})" for s in lazy["steps"]
         )
-        print(f"| {lazy['rank']} | {_mib(lazy['total'])} | {steps} | {100 * worst_over(lazy):+.2f}% |")
+        lines.append(f"| {lazy['rank']} | {_mib(lazy['total'])} | {steps} | {100 * worst_over(lazy):+.2f}% |")
+    return "\n".join(lines)
+
+
+def _targets(world: int, reports: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Every planned row within 3% of the allocator's least reading; each rank's lazy
+    loop within the promise and the slack."""
+    rows = [row for report in reports for row in report["planned"]]
+    off = max(abs(row["predicted"] / row["least"] - 1) for row in rows)
+    within = max(worst_within(report["lazy"]) for report in reports)
+    return [
+        {"name": f"{world} ranks: every plan within 3% of the allocator's least reading", "value": round(off, 4),
+         "passed": off <= 0.03},
+        {"name": f"{world} ranks: no lazy step above budget:total by > {PROMISE:.0%} of plain (beyond the slack)",
+         "value": round(within, 4), "passed": within <= PROMISE},
+    ]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", default="2,4", help="comma-separated world sizes (at most 4)")
+    parser.add_argument("--ranks", default="2,4", help="comma-separated world sizes (at most 4; on CUDA, at most the GPUs)")
     parser.add_argument("--model", default="llama", choices=MODELS, help="the model (default: llama)")
+    parser.add_argument("--width", type=int, default=64, help="the model's width (default 64; a multiple of 16)")
+    parser.add_argument("--layers", type=int, default=4, help="layers per stack (default 4)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cpu (gloo) or cuda (NCCL, a GPU per rank)")
+    parser.add_argument("--json", type=Path, help="write the tables and targets here (for scripts/gpu_check.py)")
     parser.add_argument("--rank-of", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    setup = Setup(args.model, args.width, args.layers, args.device)
     if args.rank_of is not None:
-        _run_rank(args.rank_of, args.model, args.out)
+        _run_rank(args.rank_of, setup, args.out)
         return 0
     import tempfile
 
+    if args.width % 16 or args.width < 16:
+        parser.error(f"--width {args.width}: must be a positive multiple of 16 (heads of 16)")
     worlds = [int(part) for part in args.ranks.split(",")]
-    if any(world not in (1, 2, 3, 4) for world in worlds):
-        parser.error(f"--ranks {args.ranks!r}: each world size must be 1 to 4 (the ranks' batches are given for 4)")
+    most = 4 if args.device == "cpu" else min(4, torch.cuda.device_count())
+    if any(world < 1 or world > most for world in worlds):
+        parser.error(f"--ranks {args.ranks!r}: each world size must be 1 to {most} "
+                     f"(the ranks' batches are given for 4{'' if args.device == 'cpu' else '; one GPU per rank'})")
+    tables, targets = [], []
     for world in worlds:
         with tempfile.TemporaryDirectory() as folder:
-            reports = _launch(world, args.model, Path(folder))
-        _print_planned(world, reports)
-        _print_lazy(world, reports)
+            reports = _launch(world, setup, Path(folder))
+        tables += [_planned_table(world, reports), _lazy_table(world, reports)]
+        targets += _targets(world, reports)
+        print("\n" + "\n\n".join(tables[-2:]), flush=True)
+    for target in targets:
+        print(f"{target['name']}: {'PASS' if target['passed'] else 'FAIL'} ({target['value']})")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"table": "\n\n".join(tables), "targets": targets}, indent=2))
     return 0
 
 

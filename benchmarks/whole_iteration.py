@@ -111,10 +111,12 @@ def iteration(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: D
     return run
 
 
-def reading(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Dict[str, Any]) -> int:
-    """One iteration's peak on the device: the storages held before it, and the
+def reading(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Dict[str, Any], device: str = "cpu"
+) -> int:
+    """One iteration's peak on ``device``: the storages held before it, and the
     allocator's peak over it."""
-    return held(model, optimizer, batch) + allocator_peak(iteration(model, optimizer, batch))
+    return held(model, optimizer, batch) + allocator_peak(iteration(model, optimizer, batch), device)
 
 
 def iteration_peak(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Dict[str, Any]) -> int:

@@ -42,6 +42,7 @@ def test_the_dry_run_writes_every_section_of_the_report(check, tmp_path):
     for row in ["no checkpointing", "ckptwrap non-re-entrant", "budget:50%", "save_on_cpu", "first:2;offload"]:
         assert row in report, row
     assert "Offload arithmetic:" in report and "not judged (dry run)" in report
+    assert "1 ranks, a lazy budget:total" in report and "every plan within 3% of the allocator" in report  # fsdp2
     records = {p.stem for p in (tmp_path / "steps").glob("*.json")}
     assert records == {step.name for step in check.STEPS}
 
