@@ -219,8 +219,12 @@ def test_under_fsdp2_a_total_planned_on_example_inputs_after_training_holds(rank
     for report in _fsdp2_reports(ranks):
         (row,) = [row for row in report["planned"] if row["total"] is not None]
         assert 0 < row["checkpointed"] < row["blocks"], row  # between blocks and none: a real choice
-        assert row["tracked"] <= row["total"] + OVER * row["plain_step"], row
-        # The allocator's least reading may still hold one of gloo's copies (see above).
+        assert row["predicted"] <= row["total"], row
+        # The tracker and the allocator's least reading may hold one of gloo's copies (a
+        # layer's gathered parameters, see above) where it falls at the peak: with a plan
+        # close to its total, that passed 3% of the plain step once in a loaded run (the
+        # solver's choice follows measured times; the copy's timing follows gloo's threads).
+        assert row["tracked"] <= row["total"] + OVER * row["plain_step"] + row["unit"], row
         assert row["least"] <= row["total"] + OVER * row["plain_step"] + row["unit"], row
 
 
