@@ -270,9 +270,14 @@ class GivenCaches:
 
     def one_run(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
         """The call's arguments for its one run, which nothing recomputes (a module the
-        plan leaves un-checkpointed): the snapshots of the transformers caches in training
-        (copies already, which the run may write), the other objects themselves."""
-        return _all_replaced(args, kwargs, {key: self._snapshots[key] for key in self.copied})
+        plan leaves un-checkpointed): copies of the transformers caches in training (their
+        snapshots, copies already, unless they hold tensors changed in place before, which
+        a run gets clones of), the other objects themselves."""
+        snapshots = {key: self._snapshots[key] for key in self.copied}
+        if self._states:
+            copier = _Copier(cloned=lambda tensor: id(tensor) in self._states)
+            snapshots = {key: copier.copy(snapshot) for key, snapshot in snapshots.items()}
+        return _all_replaced(args, kwargs, snapshots)
 
     def run_on(self, region: Any) -> Tuple[Dict[int, Any], _Versions]:
         """What one run gets for each snapshot (by the snapshot's id): the object itself

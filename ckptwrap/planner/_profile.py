@@ -263,6 +263,10 @@ class _Region:
     """An outermost candidate's forward while a step on given inputs is measured: a
     checkpointed region, as a plan's regions run, that tells the recorder what it does."""
 
+    copies_caches = True
+    """It runs on copies of the caches it is given, as a checkpointed forward does
+    (``wrap``'s ``CacheWritesOff`` leaves it to them)."""
+
     def __init__(self, recorder: StepRecorder, module: nn.Module, context_fn: Any, preserve_rng_state: bool) -> None:
         self.recorder, self.module = recorder, module
         self.previous = module.__dict__.get("forward")

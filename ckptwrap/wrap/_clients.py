@@ -96,6 +96,11 @@ class CacheWritesOff:
     def __call__(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         if not torch.is_grad_enabled() or not module.training or torch.compiler.is_compiling():
             return None
+        if getattr(module.__dict__.get("forward"), "copies_caches", False):
+            # Checkpointed now (by the plan, or on a step measured): its region copies the
+            # caches itself, telling a state changed in place before by its version, which
+            # a clone made here would reset.
+            return None
         caches = given_caches(args, kwargs, training=True)
         if caches is None or not caches.copied:
             return None

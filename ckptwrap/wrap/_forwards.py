@@ -59,6 +59,12 @@ class CheckpointedForward:
         # A step recorder (``planner.StepRecorder``) told of each call, on a step measured.
         self.observer = observer
 
+    @property
+    def copies_caches(self) -> bool:
+        """Whether the region runs on copies of the caches it is given (``on_cache_copies``):
+        every checkpointed one; an offloaded one runs its forward once, as it is."""
+        return not self.offload
+
     def module(self) -> nn.Module:
         module = self._module()
         if module is None:

@@ -218,6 +218,33 @@ def test_a_cache_the_caller_passes_is_read_as_given_and_left_as_it_was():
     assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before))
 
 
+@pytest.mark.parametrize("policy", ["budget:100%", "budget:70%"])
+def test_a_cache_the_caller_passes_is_left_as_it_was_by_layers_a_budget_keeps_plain(policy):
+    """As above, under a budget, over steps that are measured and then solved: a layer the
+    plan leaves un-checkpointed runs on a copy of the cache too, the states changed in
+    place before cloned for it, so the caller's cache keeps what it held."""
+    plain, arch = _jamba()
+    model = ckptwrap.wrap_model(copy.deepcopy(plain), policy)
+    ids = arch.batch(2, 24, 0, False)["input_ids"]
+    with torch.no_grad():
+        cache = plain(input_ids=ids[:, :16], use_cache=True).past_key_values
+    before = [t.clone() for layer in cache.layers for t in _tensors(layer)]
+    assert any(t._version for layer in cache.layers for t in _tensors(layer))  # states written in place
+    for _ in range(3):
+        losses = []
+        for each in (model, plain):
+            each.zero_grad(set_to_none=True)
+            given = cache if each is model else copy.deepcopy(cache)
+            torch.manual_seed(0)
+            out = each(input_ids=ids[:, 16:], labels=ids[:, 16:], past_key_values=given, use_cache=True)
+            out.loss.backward()
+            losses.append(out.loss.detach())
+        assert torch.equal(losses[0], losses[1])
+        assert _same_grads(model, plain)
+        after = [t for layer in cache.layers for t in _tensors(layer)]
+        assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before))
+
+
 def _tensors(layer: Any) -> List[torch.Tensor]:
     found = []
     for value in vars(layer).values():
