@@ -218,18 +218,31 @@ def test_a_cache_the_caller_passes_is_read_as_given_and_left_as_it_was():
     assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before))
 
 
-@pytest.mark.parametrize("policy", ["budget:100%", "budget:70%"])
-def test_a_cache_the_caller_passes_is_left_as_it_was_by_layers_a_budget_keeps_plain(policy):
+CONTINUED = [
+    (name, policy)
+    for name in ("jamba", "zamba", "zamba2", "bamba", "granitemoehybrid", "falcon_h1", "nemotron_h", "lfm2", "llama")
+    if name in CACHED
+    for policy in (("budget:100%", "budget:70%") if name == "jamba" else ("budget:70%",))
+]
+"""Models whose plain step continues a sequence from a cache (qwen3_next's, olmo_hybrid's
+and kimi_linear's raise in autograd there, checkpointed or not), under budgets that keep
+every layer plain and some."""
+
+
+@pytest.mark.parametrize("name,policy", CONTINUED, ids=[f"{n}-{p}" for n, p in CONTINUED])
+def test_a_cache_the_caller_passes_is_left_as_it_was_by_layers_a_budget_keeps_plain(name, policy):
     """As above, under a budget, over steps that are measured and then solved: a layer the
     plan leaves un-checkpointed runs on a copy of the cache too, the states changed in
-    place before cloned for it, so the caller's cache keeps what it held."""
-    plain, arch = _jamba()
+    place before cloned for it, so the caller's cache keeps what it held; a layer it
+    checkpoints is left to its region's copies (Jamba's budget raised here, where
+    ``blocks`` trained exactly)."""
+    arch = ARCHITECTURES[name]
+    plain = arch.build()
     model = ckptwrap.wrap_model(copy.deepcopy(plain), policy)
     ids = arch.batch(2, 24, 0, False)["input_ids"]
     with torch.no_grad():
         cache = plain(input_ids=ids[:, :16], use_cache=True).past_key_values
     before = [t.clone() for layer in cache.layers for t in _tensors(layer)]
-    assert any(t._version for layer in cache.layers for t in _tensors(layer))  # states written in place
     for _ in range(3):
         losses = []
         for each in (model, plain):
