@@ -5,7 +5,7 @@ bookkeeping the planner's profiler counts saved tensors with.
 and counts tensor storages as they are created and freed on the CPU (``StorageCounter``).
 """
 
-from ._peak import PeakMemory, StorageCounter, measure_peak, outputs_of
+from ._peak import PeakMemory, StorageCounter, measure_peak, outputs_of, ready_libraries
 from ._span import SpanPeak, StepSpan
 from ._storages import (
     SavePolicy,
@@ -30,6 +30,7 @@ __all__ = [
     "measure_peak",
     "outputs_of",
     "policy_watch",
+    "ready_libraries",
     "saving",
     "tensor_storages",
     "tensors",

@@ -15,11 +15,12 @@ import dataclasses
 import functools
 import threading
 import weakref
-from typing import Any, Dict, Iterator, List, Optional, Set
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .. import _torch_private
 from .._errors import CheckpointConfigError
 from ._storages import tensors
 from ._workspace import end_reading, may_hold, run_held, start_reading
@@ -30,6 +31,7 @@ __all__ = [
     "measure_peak",
     "outputs_of",
     "PeakMemory",
+    "ready_libraries",
     "StorageCounter",
 ]
 
@@ -55,6 +57,46 @@ class PeakMemory:
         return self.peak_bytes / _MIB
 
 
+_READY: Set[Tuple[str, Any]] = set()
+"""The (device, stream) pairs :func:`ready_libraries` has made ready."""
+
+
+def ready_libraries(device: torch.device) -> None:
+    """Make the matrix libraries' workspaces on ``device``'s current stream, as any
+    training step's first matrix product does: cuBLAS and cuBLASLt keep one each (tens of
+    MiB on a Hopper GPU) from the first product on that stream until the process ends.
+    A step or block measured before any product would take them for its own memory (on an H200, a
+    plan made first in a fresh process read 63.6 MiB above every later iteration of a
+    step that holds 9 MiB). Runs a few tiny products on tensors of its own (nothing of the
+    model's, no random numbers), once per device and stream, outside the caller's
+    dispatch modes; a no-op on the CPU and on the meta device."""
+    if device.type in ("cpu", "meta"):
+        return
+    module = torch.get_device_module(device.type)
+    if hasattr(module, "is_available") and not module.is_available():
+        return
+    capturing = getattr(module, "is_current_stream_capturing", None)
+    if capturing is not None and capturing():
+        return  # products now would be captured into the caller's graph
+    stream = module.current_stream(device) if hasattr(module, "current_stream") else None
+    key = (str(device), getattr(stream, "stream_id", None))
+    if key in _READY:
+        return
+    # Outside any mode of the caller's (a fake-tensor mode would make fakes of these).
+    with torch.no_grad(), _torch_private.disable_current_modes():
+        for dtype in (torch.float32, torch.bfloat16):
+            try:
+                square = torch.ones(16, 16, device=device, dtype=dtype)
+                bias = torch.ones(16, device=device, dtype=dtype)
+                torch.mm(square, square)
+                torch.addmm(bias, square, square)  # the cuBLASLt path (a matrix product with a bias)
+            except (RuntimeError, TypeError):  # a device or dtype without these products
+                continue
+    if hasattr(module, "synchronize"):
+        module.synchronize(device)
+    _READY.add(key)
+
+
 @contextlib.contextmanager
 def measure_peak(device: torch.device | str | int | None = None) -> Iterator[PeakMemory]:
     """Measure the peak memory allocated on one device while the block runs.
@@ -64,7 +106,9 @@ def measure_peak(device: torch.device | str | int | None = None) -> Iterator[Pea
     gradients and temporaries.
 
     On CUDA this resets the device's peak statistics (``torch.cuda.reset_peak_memory_stats``),
-    and likewise on other accelerators that keep them. On the CPU it counts the bytes of
+    and likewise on other accelerators that keep them; the matrix libraries' workspaces,
+    which a process's first matrix product makes and keeps to its end, are made first
+    (:func:`ready_libraries`), so that a first measurement reads the block's own memory. On the CPU it counts the bytes of
     every tensor storage that an operator creates inside the block, forward and backward,
     until that storage is freed; storages that existed before the block, and views of
     them, are not counted. The CPU count runs every operator through a Python dispatch
@@ -96,6 +140,7 @@ def measure_peak(device: torch.device | str | int | None = None) -> Iterator[Pea
                 result.peak_bytes = counter.peak_bytes
         return
     stats = allocator_stats(resolved)
+    ready_libraries(resolved)
     stats.reset_peak(resolved)
     at_entry = stats.allocated(resolved)
     try:

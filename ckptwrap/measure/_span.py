@@ -55,7 +55,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import _torch_private
 from ..engine import graph_nodes, is_recomputing
-from ._peak import StorageCounter, AllocatorStats, allocator_stats
+from ._peak import StorageCounter, AllocatorStats, allocator_stats, ready_libraries
 from ._storages import tensors
 from ._workspace import may_hold, run_held
 
@@ -559,6 +559,7 @@ class SpanPeak:
             self.span.enter()
             return self
         self._stats = allocator_stats(self.device)
+        ready_libraries(self.device)
         _synchronize(self.device)
         if self.reset:
             self._stats.reset_peak(self.device)

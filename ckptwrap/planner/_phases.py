@@ -10,8 +10,8 @@ out of place), one per node of the graph, at the most it held (``measure``'s
 statistics, reset at each cut), so that memory no operator returns (a kernel's
 workspace) counts too; the matrix libraries' own workspaces, which the device keeps from
 their first use to the end of the process, are made before the meter starts
-(:func:`ready_libraries`), so that a process's first measured step does not count them as
-its own. On the CPU, which keeps no such statistics, the peak is the
+(``measure``'s ``ready_libraries``), so that a process's first measured step does not
+count them as its own. On the CPU, which keeps no such statistics, the peak is the
 moments' highest: a node's moment is read from the allocator's events on the calling
 thread (torch's legacy profiler, which starts no profiler library), and where a profiler
 of the caller's records there, it is what the node received and returned;
@@ -33,9 +33,9 @@ from typing import Any, List, NamedTuple, Optional, Tuple
 import torch
 
 from .. import _torch_private
-from ..measure import StepSpan, StorageCounter
+from ..measure import StepSpan, StorageCounter, ready_libraries
 
-__all__ = ["Phase", "PhaseMeter", "Window", "profiler_running", "ready_libraries"]
+__all__ = ["Phase", "PhaseMeter", "Window", "profiler_running"]
 
 _LOSS_OUTSIDE = 2
 """A loss made outside the model's forward is not counted as it is made; it is taken to
@@ -73,43 +73,6 @@ def profiler_running() -> bool:
     """Whether a torch profiler (``torch.profiler`` or ``torch.autograd.profiler``) is
     recording in this thread."""
     return bool(_torch_private.profiler_enabled())
-
-
-_READY: set = set()
-"""The (device, stream) pairs :func:`ready_libraries` has made ready."""
-
-
-def ready_libraries(device: torch.device) -> None:
-    """Make the matrix libraries' workspaces on ``device``'s current stream, as any
-    training step's first matrix product does: cuBLAS and cuBLASLt keep one each (tens of
-    MiB on a Hopper GPU) from the first product on that stream until the process ends.
-    A step measured before any product would take them for its own memory (on an H200, a
-    plan made first in a fresh process read 63.6 MiB above every later iteration of a
-    step that holds 9 MiB). Runs a few tiny products on tensors of its own (nothing of the
-    model's, no random numbers), once per device and stream, outside the caller's
-    dispatch modes; a no-op on the CPU and on the meta device."""
-    if device.type in ("cpu", "meta"):
-        return
-    module = torch.get_device_module(device.type)
-    if hasattr(module, "is_available") and not module.is_available():
-        return
-    stream = module.current_stream(device) if hasattr(module, "current_stream") else None
-    key = (str(device), getattr(stream, "stream_id", None))
-    if key in _READY:
-        return
-    # Outside any mode of the caller's (a fake-tensor mode would make fakes of these).
-    with torch.no_grad(), _torch_private.disable_current_modes():
-        for dtype in (torch.float32, torch.bfloat16):
-            try:
-                square = torch.ones(16, 16, device=device, dtype=dtype)
-                bias = torch.ones(16, device=device, dtype=dtype)
-                torch.mm(square, square)
-                torch.addmm(bias, square, square)  # the cuBLASLt path (a matrix product with a bias)
-            except (RuntimeError, TypeError):  # a device or dtype without these products
-                continue
-    if hasattr(module, "synchronize"):
-        module.synchronize(device)
-    _READY.add(key)
 
 
 class PhaseMeter:

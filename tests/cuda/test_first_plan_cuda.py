@@ -1,5 +1,6 @@
 """A plan made in a fresh process, before any matrix product ran on the GPU, predicts what
-the training iterations after it hold.
+the training iterations after it hold; ``measure_peak`` around a process's first product
+reads the block's own memory.
 
 cuBLAS and cuBLASLt make their workspaces (tens of MiB on a Hopper GPU) at the first
 product on a stream and keep them to the end of the process; a planned step that ran
@@ -19,6 +20,16 @@ from pathlib import Path
 from _cuda_helpers import requires_cuda
 
 _ROOT = Path(__file__).resolve().parents[2]
+
+_FIRST_PRODUCT = r"""
+import json, torch
+from ckptwrap import measure_peak
+
+a = torch.ones(64, 64, device="cuda")
+with measure_peak("cuda") as peak:
+    out = a @ a
+print(json.dumps({"peak": peak.peak_bytes, "out": out.untyped_storage().nbytes()}))
+"""
 
 _SCRIPT = r"""
 import json, torch
@@ -56,12 +67,23 @@ print(json.dumps(found))
 """
 
 
+def _fresh(script: str) -> dict:
+    """The last line of ``script``'s output, run in a process of its own, as JSON."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_ROOT), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@requires_cuda
+def test_measure_peak_around_the_first_product_reads_the_product_alone():
+    found = _fresh(_FIRST_PRODUCT)
+    assert found["peak"] <= found["out"] + 4096, found  # its 16 KiB output (the allocator rounds up)
+
+
 @requires_cuda
 def test_a_plan_made_before_any_product_on_the_gpu_predicts_the_iterations_after_it():
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_ROOT), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True, timeout=300, env=env)
-    assert done.returncode == 0, done.stderr[-4000:]
-    found = json.loads(done.stdout.strip().splitlines()[-1])
+    found = _fresh(_SCRIPT)
     for policy, row in found.items():
         # The plan before the fix read 64 MiB above the iteration, which holds about 20.
         assert abs(row["predicted"] / row["measured"] - 1) < 0.02, (policy, row)
