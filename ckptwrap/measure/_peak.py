@@ -65,11 +65,12 @@ def ready_libraries(device: torch.device) -> None:
     """Make the matrix libraries' workspaces on ``device``'s current stream, as any
     training step's first matrix product does: cuBLAS and cuBLASLt keep one each (tens of
     MiB on a Hopper GPU) from the first product on that stream until the process ends.
-    A step or block measured before any product would take them for its own memory (on an H200, a
-    plan made first in a fresh process read 63.6 MiB above every later iteration of a
-    step that holds 9 MiB). Runs a few tiny products on tensors of its own (nothing of the
-    model's, no random numbers), once per device and stream, outside the caller's
-    dispatch modes; a no-op on the CPU and on the meta device."""
+    A step or block measured before any product would take them for its own memory (on
+    an H200, a plan made first in a fresh process read 63.6 MiB above every later
+    iteration of a step that holds 9 MiB). Runs a few tiny products on tensors of its own
+    (nothing of the model's, no random numbers), once per device and stream, outside the
+    caller's dispatch modes and never while the stream is being captured into a graph; a
+    no-op on the CPU and on the meta device."""
     if device.type in ("cpu", "meta"):
         return
     module = torch.get_device_module(device.type)
@@ -108,11 +109,12 @@ def measure_peak(device: torch.device | str | int | None = None) -> Iterator[Pea
     On CUDA this resets the device's peak statistics (``torch.cuda.reset_peak_memory_stats``),
     and likewise on other accelerators that keep them; the matrix libraries' workspaces,
     which a process's first matrix product makes and keeps to its end, are made first
-    (:func:`ready_libraries`), so that a first measurement reads the block's own memory. On the CPU it counts the bytes of
-    every tensor storage that an operator creates inside the block, forward and backward,
-    until that storage is freed; storages that existed before the block, and views of
-    them, are not counted. The CPU count runs every operator through a Python dispatch
-    mode, which slows the block down: do not time a measured block.
+    (:func:`ready_libraries`), so that a first measurement reads the block's own memory.
+    On the CPU it counts the bytes of every tensor storage that an operator creates inside
+    the block, forward and backward, until that storage is freed; storages that existed
+    before the block, and views of them, are not counted. The CPU count runs every
+    operator through a Python dispatch mode, which slows the block down: do not time a
+    measured block.
 
     Args:
         device: The device to measure. ``None`` means the current accelerator if one is

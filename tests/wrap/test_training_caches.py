@@ -193,29 +193,36 @@ def test_the_cache_a_training_forward_returns_keeps_nothing_a_checkpointed_layer
     assert ours.get_seq_length() == 16, "the plain attention layers write the cache as they do un-checkpointed"
 
 
-def test_a_cache_the_caller_passes_is_read_as_given_and_left_as_it_was():
-    """A training step that continues a sequence: the cache holds the first part's keys,
-    values and states (changed in place before), which each run of a checkpointed layer
-    reads as given, and the caller's cache keeps what it held."""
-    plain, arch = _jamba()
-    model = ckptwrap.wrap_model(copy.deepcopy(plain), "blocks")
+def _continued(plain: nn.Module, arch: Any, policy: str, steps: int = 1) -> None:
+    """Train ``steps`` steps that continue a sequence from a cache the caller made (the
+    first part's keys, values and states, changed in place before) under ``policy``,
+    beside the plain model on a copy of it: equal losses and gradients each step, and the
+    caller's cache keeps what it held."""
+    model = ckptwrap.wrap_model(copy.deepcopy(plain), policy)
     ids = arch.batch(2, 24, 0, False)["input_ids"]
     with torch.no_grad():
         cache = plain(input_ids=ids[:, :16], use_cache=True).past_key_values
     before = [t.clone() for layer in cache.layers for t in _tensors(layer)]
     assert before
-    losses = []
-    for each in (model, plain):
-        each.zero_grad(set_to_none=True)
-        given = cache if each is model else copy.deepcopy(cache)
-        torch.manual_seed(0)
-        out = each(input_ids=ids[:, 16:], labels=ids[:, 16:], past_key_values=given, use_cache=True)
-        out.loss.backward()
-        losses.append(out.loss.detach())
-    assert torch.equal(losses[0], losses[1])
-    assert _same_grads(model, plain)
-    after = [t for layer in cache.layers for t in _tensors(layer)]
-    assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before))
+    for _ in range(steps):
+        losses = []
+        for each in (model, plain):
+            each.zero_grad(set_to_none=True)
+            given = cache if each is model else copy.deepcopy(cache)
+            torch.manual_seed(0)
+            out = each(input_ids=ids[:, 16:], labels=ids[:, 16:], past_key_values=given, use_cache=True)
+            out.loss.backward()
+            losses.append(out.loss.detach())
+        assert torch.equal(losses[0], losses[1])
+        assert _same_grads(model, plain)
+        after = [t for layer in cache.layers for t in _tensors(layer)]
+        assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before))
+
+
+def test_a_cache_the_caller_passes_is_read_as_given_and_left_as_it_was():
+    """A training step that continues a sequence: each run of a checkpointed layer reads
+    the cache as given, and the caller's cache keeps what it held."""
+    _continued(*_jamba(), "blocks")
 
 
 CONTINUED = [
@@ -233,29 +240,10 @@ every layer plain and some."""
 def test_a_cache_the_caller_passes_is_left_as_it_was_by_layers_a_budget_keeps_plain(name, policy):
     """As above, under a budget, over steps that are measured and then solved: a layer the
     plan leaves un-checkpointed runs on a copy of the cache too, the states changed in
-    place before cloned for it, so the caller's cache keeps what it held; a layer it
-    checkpoints is left to its region's copies (Jamba's budget raised here, where
-    ``blocks`` trained exactly)."""
+    place before cloned for it; a layer it checkpoints is left to its region's copies
+    (Jamba's budget raised here, where ``blocks`` trained exactly)."""
     arch = ARCHITECTURES[name]
-    plain = arch.build()
-    model = ckptwrap.wrap_model(copy.deepcopy(plain), policy)
-    ids = arch.batch(2, 24, 0, False)["input_ids"]
-    with torch.no_grad():
-        cache = plain(input_ids=ids[:, :16], use_cache=True).past_key_values
-    before = [t.clone() for layer in cache.layers for t in _tensors(layer)]
-    for _ in range(3):
-        losses = []
-        for each in (model, plain):
-            each.zero_grad(set_to_none=True)
-            given = cache if each is model else copy.deepcopy(cache)
-            torch.manual_seed(0)
-            out = each(input_ids=ids[:, 16:], labels=ids[:, 16:], past_key_values=given, use_cache=True)
-            out.loss.backward()
-            losses.append(out.loss.detach())
-        assert torch.equal(losses[0], losses[1])
-        assert _same_grads(model, plain)
-        after = [t for layer in cache.layers for t in _tensors(layer)]
-        assert len(after) == len(before) and all(torch.equal(a, b) for a, b in zip(after, before))
+    _continued(arch.build(), arch, policy, steps=3)
 
 
 def _tensors(layer: Any) -> List[torch.Tensor]:
