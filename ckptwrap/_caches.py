@@ -275,9 +275,13 @@ class GivenCaches:
         a run gets clones of), the other objects themselves."""
         snapshots = {key: self._snapshots[key] for key in self.copied}
         if self._states:
-            copier = _Copier(cloned=lambda tensor: id(tensor) in self._states)
+            copier = self._run_copier()
             snapshots = {key: copier.copy(snapshot) for key, snapshot in snapshots.items()}
         return _all_replaced(args, kwargs, snapshots)
+
+    def _run_copier(self) -> _Copier:
+        """A copier for one run: the states among the snapshots cloned, the rest shared."""
+        return _Copier(cloned=lambda tensor: id(tensor) in self._states)
 
     def run_on(self, region: Any) -> Tuple[Dict[int, Any], _Versions]:
         """What one run gets for each snapshot (by the snapshot's id): the object itself
@@ -292,7 +296,7 @@ class GivenCaches:
                 f"between the forward and the backward, or keep this module out of the policy."
             )
         given, self._given = self._given or {}, None  # the forward writes them; the recomputations don't
-        copier = _Copier(cloned=lambda tensor: id(tensor) in self._states)
+        copier = self._run_copier()
         objects = {
             key: given[key] if key in given else copier.copy(snapshot)
             for key, snapshot in ((id(s), s) for s in self._snapshots.values())
