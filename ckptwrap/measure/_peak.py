@@ -61,16 +61,44 @@ _READY: Set[Tuple[str, Any]] = set()
 """The (device, stream) pairs :func:`ready_libraries` has made ready."""
 
 
+def _products(device: torch.device) -> None:
+    """A few tiny matrix products on ``device``, in the dtypes training uses, with and
+    without a bias (the second goes through cuBLASLt on CUDA)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        try:
+            square = torch.ones(16, 16, device=device, dtype=dtype)
+            torch.mm(square, square)
+            torch.addmm(torch.ones(16, device=device, dtype=dtype), square, square)
+        except (RuntimeError, TypeError):  # a device or dtype without these products
+            continue
+
+
+class _ProductsInBackward(torch.autograd.Function):
+    """The identity, whose backward runs :func:`_products` on the thread that runs the
+    device's backward (autograd keeps one per accelerator, with its own library handles)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        _products(grad.device)
+        return grad
+
+
 def ready_libraries(device: torch.device) -> None:
     """Make the matrix libraries' workspaces on ``device``'s current stream, as any
-    training step's first matrix product does: cuBLAS and cuBLASLt keep one each (tens of
-    MiB on a Hopper GPU) from the first product on that stream until the process ends.
-    A step or block measured before any product would take them for its own memory (on
-    an H200, a plan made first in a fresh process read 63.6 MiB above every later
-    iteration of a step that holds 9 MiB). Runs a few tiny products on tensors of its own
-    (nothing of the model's, no random numbers), once per device and stream, outside the
-    caller's dispatch modes and never while the stream is being captured into a graph; a
-    no-op on the CPU and on the meta device."""
+    training step's first matrix product does: cuBLAS and cuBLASLt keep them (tens of MiB
+    on a Hopper GPU) per thread and stream from the first product until the process ends,
+    and a backward runs on a thread of autograd's, not the caller's. A step or block
+    measured before any product would take them for its own memory (on an H200, a plan
+    made first in a fresh process read 63.6 MiB above every later iteration of a step
+    that holds 9 MiB: 32 MiB from the forward's thread, as much from the backward's).
+    Runs a few tiny products, forward and in a backward, on tensors of its own (nothing
+    of the model's, no random numbers), once per device and stream, outside the caller's
+    dispatch modes and never while the stream is being captured into a graph; a no-op on
+    the CPU and on the meta device."""
     if device.type in ("cpu", "meta"):
         return
     module = torch.get_device_module(device.type)
@@ -84,15 +112,12 @@ def ready_libraries(device: torch.device) -> None:
     if key in _READY:
         return
     # Outside any mode of the caller's (a fake-tensor mode would make fakes of these).
-    with torch.no_grad(), _torch_private.disable_current_modes():
-        for dtype in (torch.float32, torch.bfloat16):
-            try:
-                square = torch.ones(16, 16, device=device, dtype=dtype)
-                bias = torch.ones(16, device=device, dtype=dtype)
-                torch.mm(square, square)
-                torch.addmm(bias, square, square)  # the cuBLASLt path (a matrix product with a bias)
-            except (RuntimeError, TypeError):  # a device or dtype without these products
-                continue
+    with _torch_private.disable_current_modes():
+        with torch.no_grad():
+            _products(device)
+        with torch.enable_grad():
+            seed = torch.zeros(1, device=device, requires_grad=True)
+            torch.autograd.grad(_ProductsInBackward.apply(seed).sum(), seed)
     if hasattr(module, "synchronize"):
         module.synchronize(device)
     _READY.add(key)

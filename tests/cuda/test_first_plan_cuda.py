@@ -3,10 +3,11 @@ the training iterations after it hold; ``measure_peak`` around a process's first
 reads the block's own memory.
 
 cuBLAS and cuBLASLt make their workspaces (tens of MiB on a Hopper GPU) at the first
-product on a stream and keep them to the end of the process; a planned step that ran
-first took them for the step's own memory (on an H200: 72.6 MiB predicted for an
-iteration that holds 9.0). The plan runs in a process of its own, so that no earlier
-test has made them already.
+product on a stream, on each thread (a backward runs on a thread of autograd's), and keep
+them to the end of the process; a planned step that ran first took them for the step's
+own memory (on an H200: 72.6 MiB predicted for an iteration that holds 9.0, and 40.6
+after the forward's thread alone was readied). The plan runs in a process of its own, so
+that no earlier test has made them already.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ _ROOT = Path(__file__).resolve().parents[2]
 
 _FIRST_PRODUCT = r"""
 import json, torch
-from ckptwrap import measure_peak
+from ckptwrap.measure import measure_peak
 
 a = torch.ones(64, 64, device="cuda")
 with measure_peak("cuda") as peak:
