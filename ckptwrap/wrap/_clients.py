@@ -93,6 +93,8 @@ class CacheWritesOff:
     (:func:`on_cache_copies`); a plain one would write the cache, and then what it holds,
     and the step's memory, would depend on which modules the plan picks."""
 
+    handle: Any = None  # its registration on the module (a RemovableHandle)
+
     def __call__(self, module: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Any:
         if not torch.is_grad_enabled() or not module.training or torch.compiler.is_compiling():
             return None
@@ -116,16 +118,16 @@ def cache_writes_off(layers: Iterable[nn.Module]) -> None:
         if not (is_hf_layer_class(type(layer)) or library_of(layer) == "transformers"):
             continue
         if not any(isinstance(h, CacheWritesOff) for h in layer._forward_pre_hooks.values()):
-            layer.register_forward_pre_hook(CacheWritesOff(), with_kwargs=True)
+            hook = CacheWritesOff()
+            hook.handle = layer.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def cache_writes_on(layers: Iterable[nn.Module]) -> None:
     """Remove the hooks :func:`cache_writes_off` registered."""
     for layer in layers:
-        for key, hook in list(layer._forward_pre_hooks.items()):
+        for hook in list(layer._forward_pre_hooks.values()):
             if isinstance(hook, CacheWritesOff):
-                del layer._forward_pre_hooks[key]
-                layer._forward_pre_hooks_with_kwargs.pop(key, None)
+                hook.handle.remove()
 
 
 _SAID = {

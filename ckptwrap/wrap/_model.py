@@ -163,8 +163,9 @@ def _wrap(
 def _register(model: nn.Module, hook: PlanPerShape) -> None:
     """The hooks that plan each training forward and follow its step to the end, and keep
     every candidate layer from writing a KV cache in training (checkpointed or not)."""
-    model.register_forward_pre_hook(hook, with_kwargs=True)
-    model.register_forward_hook(StepEnd(hook), always_call=True)
+    hook.handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    end = StepEnd(hook)
+    end.handle = model.register_forward_hook(end, always_call=True)
     modules = dict(model.named_modules())
     cache_writes_off(modules[name] for name in hook.planner.settings.names if name in modules)
 
@@ -191,7 +192,7 @@ def _transformers_off(model: nn.Module, marks: bool) -> Iterator[None]:
         raise
     if registered:
         # Before the planning hook, which must measure the model as ckptwrap will run it.
-        model.register_forward_pre_hook(switch, with_kwargs=True, prepend=True)
+        switch.handle = model.register_forward_pre_hook(switch, with_kwargs=True, prepend=True)
 
 
 def _refuse_stacking(model: nn.Module, intent: Plan, budget: Any) -> None:
@@ -310,9 +311,6 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     switch = switch_of(model)
     if switch is not None:
         switch.turn_back_on()
-        for key, hook in list(model._forward_pre_hooks.items()):
-            if hook is switch:
-                del model._forward_pre_hooks[key]
-                model._forward_pre_hooks_with_kwargs.pop(key, None)
+        switch.handle.remove()
     record_plan(model, None)
     return given

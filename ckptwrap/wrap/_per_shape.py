@@ -59,6 +59,7 @@ class PlanPerShape:
         self._failed = False
         self._solved = False  # whether a plan solved from costs was applied
         self._overlapping = False  # a forward began while another's backward was pending
+        self.handle: Any = None  # its registration on the model (a RemovableHandle)
         self.unfollowed = False  # whether a step's output was found to hold nothing to follow
         self._said_unreal = False  # whether a step with nothing to measure was said
 
@@ -258,6 +259,7 @@ class StepEnd:
 
     def __init__(self, hook: PlanPerShape) -> None:
         self.hook = hook
+        self.handle: Any = None  # its registration on the model (a RemovableHandle)
 
     def __call__(self, model: nn.Module, args: Any, output: Any) -> None:
         step = self.hook._step
@@ -333,17 +335,14 @@ def _same_marks(old: Plan, new: Plan) -> bool:
 def remove_pending(model: nn.Module) -> None:
     """Remove the hooks that plan a ``budget:`` policy, with the costs and plans they keep
     (the modules marked stay marked)."""
-    for key, hook in list(model._forward_pre_hooks.items()):
+    hooks = [*model._forward_pre_hooks.values(), *model._forward_hooks.values()]
+    for hook in hooks:
         if isinstance(hook, PlanPerShape):
-            del model._forward_pre_hooks[key]
-            model._forward_pre_hooks_with_kwargs.pop(key, None)
+            hook.handle.remove()
             step = hook._step
             if step is not None:
                 step.abandon("unwrapped")
                 hook._step = None
-    for key, hook in list(model._forward_hooks.items()):
-        if isinstance(hook, StepEnd):
-            del model._forward_hooks[key]
-            model._forward_hooks_with_kwargs.pop(key, None)
-            model._forward_hooks_always_called.pop(key, None)
+        elif isinstance(hook, StepEnd):
+            hook.handle.remove()
     cache_writes_on(model.modules())

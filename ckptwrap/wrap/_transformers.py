@@ -36,6 +36,7 @@ class TransformersSwitch:
         self.marks_anything = marks_anything
         self.turned_off: List[Tuple[nn.Module, str, Any]] = []  # (module, flag, what turns it back on)
         self.said = False
+        self.handle: Any = None  # its registration on the model (a RemovableHandle)
 
     def __call__(self, model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         if model.training and any(checkpointing_on(m) for m in self.flagged):

@@ -291,6 +291,33 @@ def test_pending_plans_pickle_and_unwrap():
     assert marked(model) == []
 
 
+def _hooks(model: torch.nn.Module) -> list:
+    """Every forward hook of ``model`` and its modules, with the dictionaries torch keeps
+    beside them (with kwargs, always called)."""
+    return [
+        getattr(module, name)
+        for module in model.modules()
+        for name in ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                     "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+        if getattr(module, name)
+    ]
+
+
+@pytest.mark.parametrize("copier", [copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m))], ids=["deepcopy", "pickle"])
+def test_unwrapping_a_copy_removes_the_copys_hooks_and_leaves_the_originals(copier):
+    model = wrap_model(_model(), "budget:50%")
+    step(model, gpt_loss, gpt_batch())
+    copied = copier(model)
+    hooked = _hooks(model)
+    assert hooked and len(_hooks(copied)) == len(hooked)
+    unwrap_model(copied)
+    assert _hooks(copied) == [] and _hooks(model) == hooked
+    step(model, gpt_loss, gpt_batch())  # the original still plans
+    assert marked(model)
+    unwrap_model(model)
+    assert _hooks(model) == []
+
+
 def test_measured_plan_without_budget_reports_predictions():
     model = _model()
     result = plan(model, "every:2", example_inputs=_example())
