@@ -19,15 +19,8 @@ import sys
 import time
 from typing import List, Optional, Sequence, Tuple
 
-from ckptwrap.planner._solver import (
-    BudgetSolution,
-    CostItem,
-    CostOption,
-    format_bytes,
-    predicted_peak,
-    smallest_reachable_peak,
-    solve_budget,
-)
+from ckptwrap.planner import CostItem, CostOption, format_bytes, predicted_peak
+from ckptwrap.planner._solver import BudgetSolution, smallest_reachable_peak, solve_budget
 
 _MIB = 1 << 20
 CASES: Tuple[Tuple[int, str, Optional[float]], ...] = (

@@ -351,7 +351,7 @@ def fsdp2_params(model: nn.Module) -> List[Any]:
     Only an FSDP module already imported is consulted: a model cannot hold an FSDP2 unit
     unless it was. Fallback, where any of these is missing (named in ``fallbacks_in_use``
     once met): none found, so a measured step
-    of an FSDP2 model computes its gradients as any other model's (``_profile``), without
+    of an FSDP2 model computes its gradients as any other model's (``profile_modules``), without
     FSDP2's reduce-scatter of them."""
     found: Dict[int, Any] = {}
     for module in fsdp2_units(model):

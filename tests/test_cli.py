@@ -23,7 +23,8 @@ import ckptwrap
 from ckptwrap import cli
 from ckptwrap._errors import CheckpointConfigError
 from ckptwrap._frontier import frontier, pareto_points, reference_points
-from ckptwrap.planner._solver import CostItem, predicted_peak, smallest_reachable_peak
+from ckptwrap.planner import CostItem, predicted_peak
+from ckptwrap.planner._solver import smallest_reachable_peak
 
 _HERE = Path(__file__).resolve()
 _ROOT = _HERE.parents[1]
@@ -407,17 +408,17 @@ def test_the_command_line_modules_import_in_either_order(first, second):
 
 
 def test_pareto_profiles_the_model_once_and_draws_what_the_table_says(capsys, monkeypatch):
-    from ckptwrap.planner import _profile
+    from ckptwrap.planner import _metering
 
     calls = []
-    original = _profile.measure_inputs
+    original = _metering.measure_inputs
 
     def counting(*args, **kwargs):
         calls.append(args)
         return original(*args, **kwargs)
 
     # measure_inputs is where every profile on given inputs goes, whoever asks for it.
-    monkeypatch.setattr(_profile, "measure_inputs", counting)
+    monkeypatch.setattr(_metering, "measure_inputs", counting)
     from ckptwrap.planner import _planner
 
     monkeypatch.setattr(_planner, "measure_inputs", counting)

@@ -24,7 +24,7 @@ def _unit(path: Path) -> str:
 
 def _imports(path: Path) -> Iterator[Tuple[str, List[str]]]:
     """Every relative import of the module, anywhere in its code: the module it names,
-    resolved within the package (``planner._fit``, ``measure``), and the names taken."""
+    resolved within the package (``planner._shapes``, ``measure``), and the names taken."""
     relative = path.relative_to(_ROOT)
     package = list(relative.parts[:-1])
     if relative.stem == "__init__":

@@ -10,22 +10,21 @@ around it: the profiler on given inputs (``profile_modules``), the peak model an
 (``forward_items``, ``with_step_terms``).
 """
 
-from ._choose import Choice, step_items
-from ._peak_model import CostItem, CostOption, format_bytes, predicted_peak
-from ._inputs import InputLayout, as_example, read_layout
-from ._items import forward_items, forward_levels, with_step_terms
-from ._ops import OpCost, packet_name
+from ._costs import ModelProfile, ModuleCost, OpCost, StepPeaks, packet_name, region_bytes
+from ._device_memory import DEVICE_MARGIN, DeviceMemory, OPTIMIZERS, OptimizerSpec, StepBudget, optimizer_spec
+from ._metering import StepRecorder, profile_modules
+from ._peak_model import (
+    CostItem,
+    CostOption,
+    format_bytes,
+    forward_items,
+    forward_levels,
+    predicted_peak,
+    with_step_terms,
+)
 from ._plan import Plan, PlanEntry
-from ._measuring import PlanSettings, is_measuring
-from ._step import region_bytes
-from ._planner import Decision, ShapePlanner
-from ._recorder import StepRecorder
-from ._module_costs import ModelProfile, ModuleCost
-from ._profile import profile_modules
-from ._rates import DEVICE_RATES, DeviceRates, device_rates
-from ._device_memory import DEVICE_MARGIN, DeviceMemory, StepBudget
-from ._optimizer import OPTIMIZERS, OptimizerSpec, optimizer_spec
-from ._unreal import outside_fake, step_device, unreal
+from ._planner import Choice, Decision, ShapePlanner, step_items
+from ._shapes import InputLayout, PlanSettings, as_example, is_measuring, read_layout
 from ._solver import (
     BudgetSolution,
     PercentBudget,
@@ -35,7 +34,7 @@ from ._solver import (
     smallest_reachable_peak,
     solve_budget,
 )
-from ._step import StepPeaks
+from ._unreal import DEVICE_RATES, DeviceRates, device_rates, outside_fake, step_device, unreal
 
 __all__ = [
     "BudgetSolution",

@@ -1,4 +1,8 @@
-"""The peak model of the budget planner: what one candidate costs (:class:`CostItem`),
+"""The peak model and the items it is priced on: what one candidate costs, the peak a
+choice of checkpointed candidates reaches, the selective levels of a candidate, and the
+items a profile gives the solver.
+
+The peak model of the budget planner: what one candidate costs (:class:`CostItem`),
 the activation peak a choice of checkpointed candidates is predicted to reach
 (:func:`predicted_peak`, whose docstring is the model's specification), and the moments
 that make it up: what is alive at each point of the training step that can set its peak,
@@ -9,6 +13,17 @@ The step's own terms (``forward``, ``recompute_grads``, ``grads`` and the tail) 
 one measured step with every candidate checkpointed: each is what a phase of it reached
 beyond the activation part of the very moment that predicts that phase
 (:func:`step_terms`), so measurement and prediction share their algebra here.
+
+Selective levels of one candidate: ways to checkpoint it that save the outputs of some
+of its operators and recompute the rest, derived from its measured operators.
+
+Each level is a :class:`CostOption` the solver can choose instead of recomputing the whole
+candidate, with the operator instances a selective policy must save to carry it out.
+
+From a profile to the solver's items: what checkpointing each measured candidate
+frees, holds and costs, in the order the forward calls them, with its selective levels
+and the terms of the profile's measured step. Times are the profile's prices
+(``_timing.RecomputePrices``): the same counts give the same plan in every process.
 """
 
 from __future__ import annotations
@@ -17,18 +32,25 @@ import dataclasses
 import itertools
 import math
 import numbers
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
+import statistics
+from collections import Counter
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 from .._errors import CheckpointConfigError
+from ._costs import ModelProfile
+from ._metering import RecomputePrices
 
 __all__ = [
     "CostItem",
     "CostOption",
     "Group",
+    "Level",
     "alone_moment",
     "check_bytes",
     "check_items",
     "format_bytes",
+    "forward_items",
+    "forward_levels",
     "item_before",
     "item_carried",
     "item_held",
@@ -37,9 +59,11 @@ __all__ = [
     "plain_moment",
     "plan_moments",
     "predicted_peak",
+    "saving",
     "segment_moment",
-    "step_terms",
+    "with_step_terms",
 ]
+
 
 _BYTE_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
 
@@ -394,7 +418,6 @@ def _check_options(
 # ------------------------------------------------------------------ the moments
 
 
-
 def item_before(item: CostItem, base: int) -> int:
     return base if item.before is None else item.before
 
@@ -541,3 +564,291 @@ def step_terms(
         changes.append(found)
         held += carried + item.inputs
     return changes, max(0, end - (base - joined + held))
+
+
+MAX_LEVELS = 6
+"""At most this many levels per candidate: enough to span its byte range, few enough to
+keep the solver's work small."""
+
+Instance = Tuple[str, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class Level:
+    """One selective level of a candidate."""
+
+    option: CostOption
+    """What it costs, as the solver sees it."""
+    instances: Tuple[Instance, ...]
+    """``(operator packet, occurrence)`` of each operator call whose output it saves, in
+    forward order."""
+
+
+def selective_levels(
+    cost: Any,
+    item: CostItem,
+    *,
+    op_times: Optional[Sequence[float]] = None,
+    overhead: Optional[float] = None,
+) -> Tuple[Level, ...]:
+    """The selective levels of one measured candidate, fewest saved bytes first.
+
+    Only operator calls that create new storage (``bytes > 0``) which autograd saves for
+    backward are worth saving. Saving an output autograd does not keep (a matmul feeding
+    only an addition, say) makes the checkpoint hold it from forward to backward, and yet
+    the recomputation must still rebuild everything backward needs: memory spent, nothing
+    held less and little time gained. Outputs a later operator writes into in place
+    cannot be saved at all, nor those of an operator that drew random numbers (the
+    recomputation must draw them again, in order). The calls are taken in order of time saved per byte (ties by
+    position), and each prefix of that order is a level: it keeps ``item.inputs`` plus
+    the saved bytes, rebuilds what recomputation still must (as ``cost_item`` reckons it,
+    with the saved bytes taken off), and costs the recompute time less the saved calls',
+    plus twice ``selective_overhead`` (the forward and the recomputation each run under
+    the selective dispatch mode).
+
+    Per-operator times are measured one operator at a time, which adds overhead to each;
+    when they add up to more than the candidate's recompute time they are scaled down to
+    it, so that their shares, not the overhead, decide what a level saves.
+
+    Only levels strictly between recomputing all and keeping all are returned: each holds
+    less than the candidate keeps unchecked, takes less time than a full recomputation,
+    and takes less time than every level that holds fewer bytes (the others are
+    dominated). Of more than :data:`MAX_LEVELS`, that many are kept, spread evenly over
+    the bytes they hold.
+
+    Args:
+        cost: The candidate's ``ModuleCost`` (its ``ops``, ``kept_bytes`` and
+            ``forward_peak_bytes`` are read).
+        item: The candidate's solver item (``cost_item(cost)``).
+        op_times: Seconds per operator to use instead of those in ``cost.ops``.
+        overhead: Seconds to use instead of ``cost.selective_overhead``.
+
+    Returns:
+        The levels; empty when the candidate has no operators worth saving.
+    """
+    ops = list(getattr(cost, "ops", ()) or ())
+    times = [op.time for op in ops] if op_times is None else list(op_times)
+    chosen = [
+        (position, op) for position, op in enumerate(ops)
+        if op.bytes > 0 and op.saved and not op.mutated and not op.random
+    ]
+    if not chosen:
+        return ()
+    # torch's selective checkpointing runs a dispatch mode over every operator of the
+    # checkpointed forward and of its recomputation: a level pays that twice, on top of
+    # the operators it recomputes.
+    if overhead is None:
+        overhead = float(getattr(cost, "selective_overhead", 0.0) or 0.0)
+    overhead *= 2
+    total = math.fsum(times)
+    scale = item.time / total if total > item.time and total > 0 else 1.0
+    chosen.sort(key=lambda pair: (-times[pair[0]] / pair[1].bytes, pair[0]))
+    levels: List[Level] = []
+    saved_bytes, saved_time, taken = 0, 0.0, []
+    for position, op in chosen:
+        saved_bytes += op.bytes
+        saved_time += times[position] * scale
+        taken.append((position, op))
+        inputs = item.inputs + saved_bytes
+        time = max(item.time - saved_time, 0.0) + overhead
+        if inputs >= item.kept or time >= item.time:
+            continue
+        if levels and time >= levels[-1].option.time:
+            continue  # holds more than the level before it, and saves no time on it
+        rebuilt = max(
+            int(cost.kept_bytes) - saved_bytes, int(cost.forward_peak_bytes) - saved_bytes, 0
+        )
+        instances = tuple(op.instance for _, op in sorted(taken, key=lambda pair: pair[0]))
+        levels.append(Level(CostOption(_label(instances), inputs, rebuilt, time), instances))
+    return tuple(_spread(levels, MAX_LEVELS))
+
+
+def pooled_levels(
+    pairs: Sequence[Tuple[Any, CostItem]],
+    *,
+    op_times: Sequence[Sequence[float]],
+    overheads: Sequence[float],
+) -> List[Tuple[Level, ...]]:
+    """:func:`selective_levels` of each ``(cost, item)``, weighing ``op_times`` (per
+    candidate, per operator) and ``overheads`` (per candidate, one pass of the selective
+    mode) as the planner prices them (``RecomputePrices``); candidates alike in all but
+    time share one set of levels, from the medians of their prices (alike candidates are
+    priced alike but for the operators a call runs beyond those recorded), so the solver
+    can weigh them as one (see ``pooled_times``).
+    """
+    groups: Dict[Any, List[int]] = {}
+    for index, (cost, item) in enumerate(pairs):
+        groups.setdefault(_alike(cost, item), []).append(index)
+    result: List[Tuple[Level, ...]] = [()] * len(pairs)
+    for members in groups.values():
+        first = pairs[members[0]][0]
+        count = len(getattr(first, "ops", ()) or ())
+        times = [statistics.median(op_times[i][k] for i in members) for k in range(count)]
+        typical = statistics.median(pairs[i][1].time for i in members)
+        item = dataclasses.replace(pairs[members[0]][1], time=typical)
+        overhead = statistics.median(overheads[i] for i in members)
+        levels = selective_levels(first, item, op_times=times, overhead=overhead)
+        for i in members:
+            result[i] = levels
+    return result
+
+
+def _alike(cost: Any, item: CostItem) -> Tuple[Any, ...]:
+    """What must match for two candidates to share their levels: all but times."""
+    ops = tuple(
+        (op.op, op.occurrence, op.bytes, op.flops, op.saved, op.mutated, op.random)
+        for op in (getattr(cost, "ops", ()) or ())
+    )
+    return (
+        item.kept, item.inputs, item.rebuilt,
+        int(cost.kept_bytes), int(cost.forward_peak_bytes), ops,
+    )
+
+
+def _label(instances: Sequence[Instance]) -> str:
+    """``save mm x3, addmm x2``: what a level saves, operators in order of first call."""
+    counts: Dict[str, int] = Counter(name for name, _ in instances)
+    order = list(dict.fromkeys(name for name, _ in instances))
+    return "save " + ", ".join(
+        name if counts[name] == 1 else f"{name} x{counts[name]}" for name in order
+    )
+
+
+def _spread(levels: List[Level], most: int) -> List[Level]:
+    """At most ``most`` of ``levels`` (ordered by bytes held), the least and the most
+    holding among them, the others nearest to evenly spaced byte counts between."""
+    if len(levels) <= most:
+        return levels
+    low, high = levels[0].option.inputs, levels[-1].option.inputs
+    picked: List[int] = []
+    for step in range(most):
+        target = low + (high - low) * step / (most - 1)
+        free = [i for i in range(len(levels)) if i not in picked]
+        picked.append(min(free, key=lambda i: (abs(levels[i].option.inputs - target), i)))
+    return [levels[i] for i in sorted(picked)]
+
+
+def cost_item(cost: Any, *, time: float, segments: bool = False, region_bytes: int = 0) -> CostItem:
+    """The solver's view of one measured module.
+
+    A checkpoint keeps the module's inputs; the part of them the module saves itself is
+    already counted in the profile's base bytes (it stays alive either way), so only the
+    rest is extra, with ``region_bytes`` per checkpointed call (what the engine keeps for
+    a region besides its inputs: on the CPU, the generator state it replays). Likewise
+    its saved outputs that the code after it saves too are in the base, not freed by the
+    checkpoint, yet rebuilt by its recomputation, which at its highest also holds the
+    forward's temporaries. With ``segments``, a module that takes the previous
+    candidate's output as its only input may run in one region with it. Measured with a
+    save policy (the selective tier), the checkpoint also keeps the outputs the policy
+    saves, and its recomputation rebuilds, and costs, only the rest.
+
+    A module called several times keeps (and its checkpoint holds) the sum over its
+    calls, while one recomputation rebuilds one call's share, and one backward holds it.
+
+    ``time``: the seconds its recomputation is priced at (see ``RecomputePrices``).
+    """
+    calls = max(1, int(cost.calls))
+    extra_inputs = max(0, int(cost.input_bytes) - int(cost.self_saved_input_bytes))
+    handed_over = int(cost.handed_over_bytes)
+    call_kept = max(0, int(cost.call_kept_bytes or cost.kept_bytes) - handed_over // calls)
+    return CostItem(
+        cost.name,
+        int(cost.kept_bytes) - handed_over,
+        extra_inputs + int(cost.policy_saved_bytes) + calls * region_bytes,
+        float(time),
+        rebuilt=max(
+            call_kept - int(cost.policy_saved_kept_bytes) // calls,
+            int(cost.forward_peak_bytes) - int(cost.policy_saved_bytes) // calls,
+            0,
+        ),
+        before=cost.base_before_bytes,
+        joins=int(cost.self_saved_input_bytes) if segments and cost.joins_previous else None,
+        saved=int(cost.policy_saved_kept_bytes),
+        call_kept=min(call_kept, int(cost.kept_bytes) - handed_over),
+        call_inputs=(extra_inputs + int(cost.policy_saved_bytes)) // calls + region_bytes,
+    )
+
+
+def saving(item: CostItem, joined: bool) -> int:
+    """What checkpointing the candidate saves: in a segment after its first module, all it
+    keeps and its input; otherwise what it keeps beyond what its region keeps."""
+    return item.kept + (item.joins or 0) if joined else item.kept - item.inputs
+
+
+def forward_items(
+    profile: ModelProfile,
+    names: Sequence[str],
+    *,
+    segments: bool = False,
+    levels: bool = False,
+    region_bytes: int = 0,
+) -> List[Tuple[str, CostItem]]:
+    """The solver's items for ``names``, in the order the profiled forward called them.
+
+    Candidates never called outside another candidate's call come last, in the given order.
+    With ``segments``, a candidate may join the one before it only if that one is among
+    ``names`` and just before it in this order. With ``levels``, each item carries its
+    selective levels as ``options`` (see :func:`forward_levels`).
+    """
+    found = forward_levels(
+        profile, names, segments=segments, levels=levels, region_bytes=region_bytes
+    )
+    return [(name, item) for name, item, _ in found]
+
+
+def forward_levels(
+    profile: ModelProfile,
+    names: Sequence[str],
+    *,
+    segments: bool = False,
+    levels: bool = True,
+    region_bytes: int = 0,
+) -> List[Tuple[str, CostItem, Tuple[Level, ...]]]:
+    """:func:`forward_items`, with the selective levels behind each item's ``options``
+    (none without ``levels``, nor for a candidate called several times). Every time is
+    the profile's price (``RecomputePrices``), not a measured one."""
+    costs = [profile[name] for name in names]
+    prices = RecomputePrices(profile)
+    order = sorted(range(len(costs)), key=lambda i: (costs[i].position < 0, costs[i].position, i))
+    pairs = []
+    for rank, i in enumerate(order):
+        follows = rank > 0 and costs[order[rank - 1]].position == costs[i].position - 1
+        item = cost_item(
+            costs[i], segments=segments and follows, region_bytes=region_bytes, time=prices.time(costs[i].name)
+        )
+        pairs.append((costs[i], item))
+    found = pooled_levels(
+        pairs,
+        op_times=[prices.op_times(cost.name) for cost, _ in pairs],
+        overheads=[prices.selective(cost.name) for cost, _ in pairs],
+    ) if levels else [()] * len(pairs)
+    found = [ours if cost.calls <= 1 else () for (cost, _), ours in zip(pairs, found)]
+    return [
+        (names[i], dataclasses.replace(item, options=tuple(level.option for level in ours)), ours)
+        for i, (_, item), ours in zip(order, pairs, found)
+    ]
+
+
+def with_step_terms(
+    ordered: Sequence[Tuple[str, CostItem]], profile: ModelProfile
+) -> Tuple[List[Tuple[str, CostItem]], int]:
+    """``ordered`` (the solver's items in forward order) with ``forward``, ``grads`` and
+    ``recompute_grads`` from the profile's measured step (see ``_peak_model.step_terms``),
+    and the solver's ``tail``.
+
+    Without a measured step the items are returned as they are and the tail is 0: the
+    model then predicts the activation peak only.
+    """
+    step = profile.step
+    if step is None:
+        return list(ordered), 0
+    index = {name: i for i, (name, _) in enumerate(ordered)}
+
+    def by_index(table: Any) -> Any:
+        return {index[name]: value for name, value in table.items() if name in index}
+
+    changes, tail = step_terms(
+        [item for _, item in ordered], profile.base_bytes,
+        by_index(step.forward), by_index(step.recompute), by_index(step.backward), step.end,
+    )
+    return [(name, dataclasses.replace(item, **change)) for (name, item), change in zip(ordered, changes)], tail

@@ -1,13 +1,61 @@
-"""The planner of one model and policy: what to do at each training forward, learned from
+"""The planner's decisions: for each training forward, what it runs under (a plan solved
+for its shape, found among those solved, or the plan of least memory measured), the
+budget in bytes at each shape, and which solved steps are checked.
+
+Which solved training steps are metered against their prediction, the closed loop's
+checks: each check costs a metered step (on the CPU, every operator goes through a
+counting dispatch mode; on an accelerator, reading the allocator's statistics is free).
+
+A check is due after a step is measured (one the planner could not do without: a step
+measured to learn was a test of the costs already) and after a check that missed, then
+after 1, 2, 4, then every 8 solved steps while they hit. On the CPU checks are spaced
+further, so that the time they add beyond unmetered steps stays within ``SHARE`` of the
+training time of the steps between them; there the check due after a measurement or a
+miss waits for a step no larger than the steps so far on average (or for the credit to
+pay for a larger one), rather than metering whichever comes next.
+
+Also here: when a step may be measured to learn, where a bound from the shapes measured
+already would do (``may_learn``). Measured steps cost several unmetered ones; those the
+planner cannot do without (a layout's first shape, a shape no bound fits the budget at, a
+shape whose plan missed) are always taken, and those it takes to learn more (to find a
+fit it can trust, for plans closer to the budget) add at most ``LEARN_SHARE`` of the
+training time, counted as checks are.
+
+What a metered step adds grows with the step: each step comes with its *size* (the
+product of its shape variables, batch and lengths: a measure of its work known before it
+runs, whatever its costs came from). Unmetered steps give a line through the shortest
+step timed and their running means of seconds and size (a small model's steps take about
+the same at any size: the operators' launch, not their work), and a metered step what it
+adds as a share of the time an unmetered step of its size takes. A check or measurement
+is due where that share of the coming step's own time is within what the training so
+far allows: a check learned on a short batch is not taken as the price of a long one.
+
+From a profile at one shape to a plan's choice: the solver's items with the step's
+terms, the un-checkpointed peak, and, for a budget, the plan of least recompute time that
+fits it (or, where none does, the plan of least memory).
+
+What a planner keeps of the plans it solved: the plans by the profile, budget and
+margin they were solved under, the shapes' un-checkpointed peaks, and the shapes the
+un-checkpointed step fitted at (a shape no larger in any shape variable needs no plan:
+the step's costs grow with every variable, so its forward runs with nothing checkpointed
+without evaluating a fit or solving).
+
+The budget in bytes a planner solves for at each shape: an amount, the same at every
+shape; a share of the largest un-checkpointed peak planned for so far (or predicted at
+the declared largest shapes); or a device's memory less what the model holds there.
+
+What one training forward runs under, as the planner decided it.
+
+The planner of one model and policy: what to do at each training forward, learned from
 the training steps themselves.
 
 Each training forward is a :class:`Decision`. Where the costs at its shape are known (a
 step measured at that shape, a trusted fit that stands for it, or a bound from a shape
-measured, ``_measuring``), it is a solve: the plan of least recompute time whose
+measured, ``LayoutCosts``), it is a solve: the plan of least recompute time whose
 predicted peak fits the budget, less the margin the closed loop added, and some of those
 steps are checked against their prediction (:meth:`ShapePlanner.checked`). Where they
 are not, or a bound puts every plan over the budget, or learning may spend the time
-(``_schedule``), the step runs under the plan of least memory (every candidate
+(``CheckSchedule``), the step runs under the plan of least memory (every candidate
 checkpointed) and is measured as it runs (:meth:`ShapePlanner.learned`). Example inputs
 are real inputs too: :meth:`choose` measures one step on them at once.
 
@@ -21,34 +69,507 @@ example inputs).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
 import math
 import pickle
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
 
 from .._errors import CheckpointConfigError
 from .._warn import note, warn
-from ._choose import Choice, choose, plain_peak
-from ._decision import Decision
-from ._plan_cache import PlanCache
-from ._reading import BudgetReading
-from ._measuring import LayoutCosts, Layouts, PlanSettings, measuring
-from ._step import region_bytes
-from ._module_costs import ModelProfile
-from ._plan import BOUNDS
-from ._profile import resolve_targets, measure_inputs
-from ._schedule import CheckSchedule
-from ._timing import dispatch_cost, selective_cost
+from ._costs import ModelProfile, region_bytes
+from ._device_memory import DeviceMemory, DeviceTerms
+from ._metering import dispatch_cost, measure_inputs, resolve_targets, selective_cost
+from ._peak_model import CostItem, Level, forward_levels, predicted_peak, saving, with_step_terms
+from ._plan import BOUNDS, PlanEntry
+from ._shapes import LayoutCosts, Layouts, PlanSettings, measuring
+from ._solver import BudgetSolution, lowest_plan, resolve_budget, solve_budget
 from ._unreal import outside_fake, step_device
 
-__all__ = ["Decision", "ShapePlanner"]
+__all__ = [
+    "Choice",
+    "Decision",
+    "ShapePlanner",
+    "step_items",
+]
+
+
+SHARE = 0.03
+"""The most of the training time the CPU's checks may add."""
+LEARN_SHARE = 0.05
+"""The most of the training time measuring to learn may add, beyond the measured steps
+that cannot be done without."""
+_LONGEST = 8
+"""After checks that hit, the next is at most this many steps later."""
+_WEIGHT = 0.3
+"""How much one step's time moves the running means."""
+
+
+class CheckSchedule:
+    """When to check (see the module)."""
+
+    def __init__(self) -> None:
+        self._steps = 0
+        self._next = 0
+        self._interval = 1
+        self._urgent = True
+        self._credit = 0.0  # seconds of checking the time trained so far allows
+        self._seconds_mean = 0.0  # running mean of the unmetered steps' seconds
+        self._size = 0.0  # running mean of their sizes
+        self._shortest = (0.0, 0)  # the shortest of them (seconds, size): what any step takes
+        self._cost = 0.0  # running mean of what a check adds, per second of its step
+        self._learn_credit = 0.0  # seconds of measuring to learn the time so far allows
+        self._learn_cost = 0.0  # running mean of what a measured step adds, per second of its step
+        # Metered before any step was timed unmetered: (seconds, size, kind), told once one is.
+        self._unsettled: List[Tuple[float, int, str]] = []
+
+    def step(self) -> None:
+        """A training step begins."""
+        self._steps += 1
+
+    def due(self, *, cheap: bool, size: int) -> bool:
+        """Whether the solved step beginning now, of ``size``, is checked; ``cheap``:
+        metering costs nothing."""
+        if cheap:
+            return True
+        if self._steps < self._next:
+            return False
+        if self._urgent and (not self._size or size <= self._size * (1 + 1e-9)):
+            return True  # no larger than the steps so far, on average (or the first)
+        # Before any check was timed, a measured step's share stands for a check's (a
+        # check meters less: it costs at most as much).
+        cost = self._cost or self._learn_cost
+        return self._credit >= cost * self._seconds(size)
+
+    def soon(self) -> None:
+        """Check the next solved step (costs were learned, or a check missed)."""
+        self._next, self._interval, self._urgent = self._steps + 1, 1, True
+
+    def hit(self) -> None:
+        """A check found the step within its prediction."""
+        self._interval = min(_LONGEST, 2 * self._interval)
+        self._next = self._steps + self._interval
+        self._urgent = False
+
+    def inconclusive(self) -> None:
+        """A check could not tell (an accelerator's peak not reset): the next one decides."""
+        self._next = self._steps + 1
+
+    def timed(self, seconds: float, *, checked: bool, size: int) -> None:
+        """A solved step of ``size`` took ``seconds``, metered (``checked``) or not."""
+        if checked:
+            self._metered(seconds, size, "check")
+            return
+        if not self._shortest[0] or seconds < self._shortest[0]:
+            self._shortest = (seconds, size)
+        self._seconds_mean = seconds if not self._seconds_mean else (1 - _WEIGHT) * self._seconds_mean + _WEIGHT * seconds
+        self._size = size if not self._size else (1 - _WEIGHT) * self._size + _WEIGHT * size
+        self._credit += SHARE * seconds
+        self._learn_credit += LEARN_SHARE * seconds
+        unsettled, self._unsettled = self._unsettled, []
+        for each in unsettled:
+            self._metered(*each)
+
+    def may_learn(self, size: int) -> bool:
+        """Whether a step of ``size`` whose costs a bound gives may be measured instead."""
+        return self._shortest[0] > 0 and self._learn_credit > 0 and self._learn_credit >= self._learn_cost * self._seconds(size)
+
+    def measured(self, seconds: float, *, size: int, learning: bool = False) -> None:
+        """A measured step of ``size`` took ``seconds``: what it added beyond an unmetered
+        step is what the next would add, in proportion; one measured to learn
+        (``learning``) draws it from what learning may spend."""
+        self._metered(seconds, size, "learn" if learning else "measure")
+
+    def _seconds(self, size: int) -> float:
+        """What an unmetered step of ``size`` is expected to take: the shortest step timed
+        (what any step takes: the operators' launch, most of a small model's step) and a
+        part in proportion to its size (their work)."""
+        shortest, at = self._shortest
+        rate = max(0.0, self._seconds_mean - shortest) / max(self._size - at, 1.0)
+        return shortest + rate * max(0, size - at)
+
+    def _metered(self, seconds: float, size: int, kind: str) -> None:
+        expected = self._seconds(size)
+        if not expected:
+            self._unsettled.append((seconds, size, kind))
+            return
+        added = max(0.0, seconds - expected)
+        share = added / expected
+        if kind == "check":
+            self._cost = share if not self._cost else (1 - _WEIGHT) * self._cost + _WEIGHT * share
+            self._credit -= added
+            return
+        self._learn_cost = share if not self._learn_cost else (1 - _WEIGHT) * self._learn_cost + _WEIGHT * share
+        if kind == "learn":
+            self._learn_credit -= added
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """Which candidates a plan checkpoints, and how, with the predictions behind it."""
+
+    entries: Tuple[PlanEntry, ...]
+    """The chosen candidates, in the order they were given."""
+    dropped: Tuple[Tuple[str, str], ...]
+    """(name, reason) for candidates left out."""
+    budget: Optional[int]
+    """The budget solved for, in bytes; None without a budget."""
+    predicted_peak: int
+    """The predicted training-step peak of this choice, in bytes."""
+    plain_peak: int
+    """The predicted peak of the same step with nothing checkpointed."""
+    activation_bytes: int
+    """What the un-checkpointed forward saves for backward."""
+    profile: ModelProfile
+    """The profile the choice was made from."""
+    reachable: bool = True
+    """False when no plan fits the budget and this is the plan of least memory."""
+    memory: Optional[DeviceMemory] = None
+    """What the device holds besides the step, where a budget in its terms or an
+    optimizer was given."""
+
+
+def step_items(
+    profile: ModelProfile,
+    names: Sequence[str],
+    *,
+    segments: bool = False,
+    levels: bool = False,
+    region_bytes: int = 0,
+) -> Tuple[List[Tuple[str, CostItem]], Dict[str, Tuple[Level, ...]], int]:
+    """The solver's items for ``names`` in forward order with the step's terms, the
+    selective levels behind each one's options, and the solver's tail: what a plan is
+    solved on (see :func:`~ckptwrap.planner.forward_levels` for the arguments)."""
+    found = forward_levels(
+        profile, names, segments=segments, levels=levels, region_bytes=region_bytes
+    )
+    ordered, tail = with_step_terms([(name, item) for name, item, _ in found], profile)
+    return ordered, {name: ours for name, _, ours in found}, tail
+
+
+def plain_peak(profile: ModelProfile, names: Sequence[str], *, region_bytes: int = 0) -> int:
+    """The predicted peak of the training step with none of ``names`` checkpointed."""
+    ordered, _, tail = step_items(profile, names, segments=False, levels=False, region_bytes=region_bytes)
+    return predicted_peak([item for _, item in ordered], (), base=profile.base_bytes, tail=tail)
+
+
+def choose(
+    profile: ModelProfile,
+    candidates: Sequence[Tuple[str, str]],
+    budget: Optional[int],
+    *,
+    describe: str = "the budget",
+    segments: bool = False,
+    levels: bool = False,
+    recompute: bool = True,
+    region_bytes: int = 0,
+    strict: bool = True,
+    settle: bool = True,
+) -> Choice:
+    """Choose among ``candidates`` (``(name, class name)``) from ``profile``.
+
+    With a ``budget`` in bytes: the plan of least recompute time whose predicted peak fits
+    it, where with ``segments`` consecutive candidates may share one region and with
+    ``levels`` a candidate may be checkpointed at a selective level. Where no plan fits,
+    ``strict`` raises the solver's error (which states the smallest reachable peak); else
+    the plan of least memory is chosen, marked not ``reachable``. Without a budget: every
+    candidate, each in its own region, with its predictions (modules profiled beside the
+    candidates stay as they are). ``recompute`` (the plain tier) labels each entry with
+    how it is checkpointed. Without ``settle`` (``solve_budget``'s), a budget the search
+    within it finds no plan for raises at once, ``strict`` or not.
+    """
+    names = [name for name, _ in candidates]
+    if budget is None:
+        ordered, levels_of, tail = step_items(
+            profile, [cost.name for cost in profile.modules], segments=False, levels=False,
+            region_bytes=region_bytes,
+        )
+    else:
+        ordered, levels_of, tail = step_items(
+            profile, names, segments=segments, levels=levels, region_bytes=region_bytes
+        )
+    items = [item for _, item in ordered]
+    base = profile.base_bytes
+    plain = predicted_peak(items, (), base=base, tail=tail)
+    reachable = True
+    if budget is None:
+        picked = set(names)
+        selected = [i for i, (name, _) in enumerate(ordered) if name in picked]
+        solution = BudgetSolution(tuple(selected), 0, 0.0, 0, 1, (), (0,) * len(selected))
+        peak = predicted_peak(items, selected, base=base, tail=tail)
+        dropped: List[Tuple[str, str]] = []
+    else:
+        try:
+            # Not strict, the solve runs inside the step it plans: every search's arrays
+            # stay within a share of the budget, the ones without a budget too.
+            solution = solve_budget(items, budget, base=base, tail=tail, settle=settle, bounded=not strict)
+        except CheckpointConfigError:
+            if strict or not settle:
+                raise
+            solution, reachable = lowest_plan(items, base=base, tail=tail, within=budget), False
+        peak = solution.predicted_peak
+        picked = {ordered[i][0] for i in solution.selected}
+        reason = f"not needed to fit {describe}" if reachable else "not needed for the least memory"
+        dropped = [(name, reason) for name in names if name not in picked]
+    entries = _entries(candidates, ordered, levels_of, solution, picked, recompute)
+    return Choice(
+        entries, tuple(dropped), budget, peak, plain, profile.total_activation_bytes, profile, reachable
+    )
+
+
+def _entries(
+    candidates: Sequence[Tuple[str, str]],
+    ordered: Sequence[Tuple[str, CostItem]],
+    levels_of: Dict[str, Tuple[Level, ...]],
+    solution: BudgetSolution,
+    picked: Set[str],
+    recompute: bool,
+) -> Tuple[PlanEntry, ...]:
+    joins: Dict[str, str] = {}
+    in_segments: Set[str] = set()
+    for segment in solution.segments:
+        joins.update((ordered[i][0], ordered[i - 1][0]) for i in segment[1:])
+        in_segments.update(ordered[i][0] for i in segment)
+    chosen_levels: Dict[str, Level] = {}
+    for index, option in zip(solution.selected, solution.options):
+        if option:
+            name = ordered[index][0]
+            chosen_levels[name] = levels_of[name][option - 1]
+    by_name = dict(ordered)
+    return tuple(
+        _entry(name, kind, by_name[name], joins, in_segments, chosen_levels.get(name), recompute)
+        for name, kind in candidates
+        if name in picked
+    )
+
+
+def _entry(
+    name: str,
+    kind: str,
+    item: CostItem,
+    joins: Dict[str, str],
+    in_segments: Set[str],
+    level: Optional[Level],
+    recompute: bool,
+) -> PlanEntry:
+    """The plan entry of a chosen candidate, with how it is checkpointed and what that
+    is predicted to save and cost."""
+    if level is not None:
+        return PlanEntry(
+            name,
+            kind,
+            saved_bytes=item.kept - level.option.inputs,
+            recompute_time=level.option.time,
+            option=level.option.label,
+            saved_ops=level.instances,
+        )
+    option = None
+    if recompute:
+        option = "segment" if name in in_segments else "recompute"
+    return PlanEntry(
+        name,
+        kind,
+        saved_bytes=saving(item, name in joins),
+        recompute_time=item.time,
+        joins=joins.get(name),
+        option=option,
+    )
+
+
+_CACHED = 64
+"""Plans (and plain peaks) kept per planner, the most recently used."""
 
 Sizes = Tuple[int, ...]
+
+_KEPT = 8
+"""Shapes kept per layout: the largest, none within another."""
+
+
+class _Fitted(NamedTuple):
+    sizes: Sizes
+    budget: int
+    margin: float
+    choice: Choice
+
+
+class NothingNeeded:
+    """Per layout's costs (by ``id``) and engine region size: the shapes whose plan
+    checkpointed nothing, with the budget and margin it was solved under. Plain data
+    between calls; cleared when the costs change (:meth:`forget`) or are copied."""
+
+    def __init__(self) -> None:
+        self._found: Dict[Tuple[int, int], List[_Fitted]] = {}
+
+    def find(
+        self, key: Tuple[int, int], sizes: Sizes, budget: Callable[[], Optional[int]], margin: float
+    ) -> Optional[Choice]:
+        """The plan of a shape at least as large as ``sizes`` in every variable that
+        checkpointed nothing under a budget no larger than ``budget()`` (read only where
+        there is such a shape to compare with) and the same margin, if any: its
+        predictions bound this shape's."""
+        found = self._found.get(key)
+        if not found:
+            return None
+        now = budget()
+        if now is None:
+            return None
+        for fitted in found:
+            if (
+                fitted.margin == margin
+                and fitted.budget <= now
+                and len(fitted.sizes) == len(sizes)  # a layout widened since has more variables
+                and all(size <= most for size, most in zip(sizes, fitted.sizes))
+            ):
+                return fitted.choice
+        return None
+
+    def add(self, key: Tuple[int, int], sizes: Sizes, budget: Optional[int], margin: float, choice: Choice) -> None:
+        """Keep ``choice`` (solved at ``sizes``) if it checkpoints nothing and fits."""
+        if budget is None or choice.entries or not choice.reachable:
+            return
+        found = [
+            fitted for fitted in self._found.get(key, ())
+            if not (fitted.margin == margin and fitted.budget >= budget and len(fitted.sizes) == len(sizes)
+                    and all(a <= b for a, b in zip(fitted.sizes, sizes)))
+        ]
+        found.insert(0, _Fitted(sizes, int(budget), margin, choice))
+        self._found[key] = found[:_KEPT]
+
+    def forget(self, costs_id: int) -> None:
+        for key in [key for key in self._found if key[0] == costs_id]:
+            del self._found[key]
+
+    def clear(self) -> None:
+        self._found.clear()
+
+
+class PlanCache:
+    """The plans a planner solved (see the module); plain data, emptied when copied."""
+
+    def __init__(self) -> None:
+        self.plans: "collections.OrderedDict[Tuple[Any, ...], Choice]" = collections.OrderedDict()
+        self.plain: Dict[Tuple[Any, ...], int] = {}  # un-checkpointed peaks, by costs, sizes, region
+        self.nothing = NothingNeeded()
+
+    def plan(self, key: Tuple[Any, ...], profile: Any) -> Optional[Choice]:
+        """The plan under ``key`` if it was solved on ``profile`` itself."""
+        found = self.plans.get(key)
+        if found is None or found.profile is not profile:
+            return None
+        self.plans.move_to_end(key)
+        return found
+
+    def keep(self, key: Tuple[Any, ...], choice: Choice) -> None:
+        self.plans[key] = choice
+        while len(self.plans) > _CACHED:
+            self.plans.popitem(last=False)
+
+    def keep_plain(self, key: Tuple[Any, ...], plain: int) -> None:
+        """The un-checkpointed peak of a shape (kept as long as the most recent others:
+        a loop meets new shapes at most steps, many of them under one plan)."""
+        self.plain[key] = plain
+        while len(self.plain) > _CACHED:
+            del self.plain[next(iter(self.plain))]
+
+    def forget(self, costs_id: int) -> None:
+        """Everything solved from these costs (they changed)."""
+        self.nothing.forget(costs_id)
+        for table in (self.plans, self.plain):
+            for key in [key for key in table if key[0] == costs_id]:
+                del table[key]
+
+
+class BudgetReading:
+    """One planner's budget term read in bytes (see the module). Plain data."""
+
+    def __init__(self, settings: Any, max_shapes: Optional[Dict[Any, Sequence[int]]]) -> None:
+        self.budget = settings.budget
+        self.names = settings.names
+        self.max_shapes = max_shapes
+        self.reference = 0
+        """The largest un-checkpointed peak planned for so far."""
+        self.device = DeviceTerms(settings)
+        """A budget in a device's terms, and what the device holds besides the step."""
+        self._declared: Optional[Tuple[ModelProfile, int]] = None  # the last, with its plain peak
+
+    @property
+    def percent(self) -> bool:
+        """Whether the budget is a share of the un-checkpointed peak."""
+        return self.budget is not None and self.budget.parsed()[0] is not None
+
+    def at(self, plain: int, costs: LayoutCosts, *, reference: bool = True) -> Optional[int]:
+        """The budget in bytes at a shape whose plain peak is ``plain`` (which counts for
+        the largest so far, with ``reference``); with ``max_shapes`` and trusted costs,
+        also the plain peak predicted there."""
+        if self.budget is None:
+            return None
+        if reference:
+            self.reference = max(self.reference, plain)
+        if self.max_shapes and costs.fit is not None and costs.trusted:
+            try:
+                declared = costs.layout.declared(self.max_shapes)
+            except CheckpointConfigError:
+                declared = None
+            if declared is not None:
+                self.reference = max(self.reference, self._plain_at(costs.profile_at(declared)))
+        if self.device.in_terms:
+            return self.device.step_budget()
+        return resolve_budget(self.budget, self.reference)
+
+    def now(self, costs: LayoutCosts) -> Optional[int]:
+        """The budget in bytes as it stands, at a shape no larger than one planned."""
+        budget = self.at(0, costs, reference=False)
+        return None if budget is None else int(budget)
+
+    def _plain_at(self, profile: ModelProfile) -> int:
+        # Read at every plan and every nothing-needed lookup: the same profile while the
+        # fit stands, so its plain peak is worked out once.
+        if self._declared is None or self._declared[0] is not profile:
+            self._declared = (profile, plain_peak(profile, self.names))
+        return self._declared[1]
+
+
+@dataclasses.dataclass
+class Decision:
+    """What one training forward runs under."""
+
+    costs: Optional[LayoutCosts]
+    sizes: Sizes
+    measure: bool
+    """Run under the plan of least memory and measure the step."""
+    choice: Optional[Choice] = None
+    """The plan solved for, when not measuring; None with ``measure`` or where the layout
+    is no longer measured (then the plan of least memory runs unmeasured)."""
+    source: str = ""
+    """Where the costs came from: ``measured``, ``fitted``, ``bounded`` or ``scaled``
+    (``LayoutCosts.source_at``)."""
+    check: bool = False
+    """Whether to meter the step and compare it with ``choice.predicted_peak``."""
+    metered: bool = False
+    """Whether that check costs time (a counting dispatch mode; an accelerator's
+    statistics cost nothing)."""
+    learn: bool = False
+    """With ``measure``: measured to learn, where a bound would have done."""
+    reset: bool = False
+    """Whether that meter resets an accelerator's peak statistics (an earlier reading
+    without a reset could not tell)."""
+    region: int = 0
+    """Bytes the engine keeps per checkpointed call besides its inputs (``region_bytes``)."""
+    margin: float = 0.0
+    """The share of the un-checkpointed peak the plan kept free beyond its prediction."""
+    seconds: float = 0.0
+    """With ``measure``: how long the step took, forward to end of backward, once it has."""
+
+    def describe(self) -> str:
+        if self.costs is None:
+            return "these inputs"
+        return self.costs.layout.describe(self.sizes)
+
 
 _MISS = 0.01
 """A checked step above its prediction by more than this share of the un-checkpointed

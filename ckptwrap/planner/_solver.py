@@ -24,21 +24,19 @@ from .._errors import CheckpointConfigError
 from ._device_memory import StepBudget
 from ._peak_model import (
     CostItem,
-    CostOption,
     Group,
     alone_moment,
+    check_bytes,
+    check_items,
+    format_bytes,
     item_before,
     item_carried,
-    check_items,
-    check_bytes,
     item_held,
-    plan_moments,
     moment_peak,
     plain_forward,
     plain_moment,
+    plan_moments,
     segment_moment,
-    format_bytes,
-    predicted_peak,
 )
 
 if TYPE_CHECKING:
@@ -46,13 +44,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BudgetSolution",
-    "CostItem",
-    "CostOption",
     "PercentBudget",
-    "format_bytes",
     "lowest_plan",
     "pooled_times",
-    "predicted_peak",
     "resolve_budget",
     "smallest_reachable_peak",
     "solve_budget",

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import ckptwrap
-from ckptwrap.planner._schedule import LEARN_SHARE, CheckSchedule
+from ckptwrap.planner._planner import LEARN_SHARE, CheckSchedule
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -60,7 +60,7 @@ def _hook(model: nn.Module):
 def _no_learning(monkeypatch) -> None:
     # Measuring to learn is what a bound saves: off here, so that each step shows what
     # stands without it.
-    monkeypatch.setattr("ckptwrap.planner._schedule.LEARN_SHARE", 0.0)
+    monkeypatch.setattr("ckptwrap.planner._planner.LEARN_SHARE", 0.0)
 
 
 def _budgeted(plain_at: tuple) -> tuple:
@@ -187,7 +187,7 @@ def test_measuring_to_learn_waits_for_its_share_of_the_training_time():
 
 
 def test_with_learning_on_a_bounded_shape_is_measured_once_the_share_allows(monkeypatch):
-    monkeypatch.setattr("ckptwrap.planner._schedule.LEARN_SHARE", 1e9)
+    monkeypatch.setattr("ckptwrap.planner._planner.LEARN_SHARE", 1e9)
     model = ckptwrap.wrap_model(_gpt(), "budget:200MiB")
     _step(model, _batch(4, 160))
     for length in (100, 110, 120):  # solved from the bound until a step is timed unmetered
@@ -316,7 +316,7 @@ def test_a_shape_below_one_that_fitted_with_nothing_checkpointed_is_not_evaluate
     largest = _run(model, plain, budget, 4, 100, 0)  # measured
     largest = _run(model, plain, budget, 4, 96, largest)  # bounded: solved, nothing needed
     assert model.ckptwrap_plan.names == []
-    from ckptwrap.planner._measuring import LayoutCosts
+    from ckptwrap.planner._shapes import LayoutCosts
 
     sources = []
     original = LayoutCosts.source_at

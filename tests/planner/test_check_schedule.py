@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import ckptwrap
-from ckptwrap.planner._schedule import SHARE, CheckSchedule
+from ckptwrap.planner._planner import SHARE, CheckSchedule
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_bounds import _batch, _gpt, _hook, _no_learning, _step  # noqa: E402

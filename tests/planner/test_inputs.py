@@ -1,4 +1,4 @@
-"""The shape variables read from one forward's inputs (``planner._inputs``), on the
+"""The shape variables read from one forward's inputs (``planner._shapes``), on the
 layouts real loops feed: padded batches from a collator, packed sequences with their
 offsets, speech features, images, flat token streams, and inputs that do not fit."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ckptwrap._errors import CheckpointConfigError
-from ckptwrap.planner._inputs import read_layout
+from ckptwrap.planner._shapes import read_layout
 
 
 def _ids(rows: int, length: int) -> torch.Tensor:

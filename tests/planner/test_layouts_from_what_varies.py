@@ -1,5 +1,5 @@
 """Shape variables found from what varies between steps, not only from one forward's
-inputs (``planner._inputs``: ``InputLayout.widened``): an axis read as fixed that another
+inputs (``planner._shapes``: ``InputLayout.widened``): an axis read as fixed that another
 step gives another size (the patches of images at another resolution, flattened into one
 axis), and one variable's dimensions given two sizes (an image's height and width),
 become variables of the same layout, so what was measured keeps standing and a fit
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import ckptwrap
-from ckptwrap.planner._inputs import read_layout
+from ckptwrap.planner._shapes import read_layout
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import _architectures as catalogue  # noqa: E402

@@ -55,7 +55,7 @@ def test_step_peaks_at_shapes_never_measured_are_predicted_within_5_percent(name
     # Learning as fast as it can: every learning shape without trusted costs is measured
     # (in a loop, measuring to learn is held to a share of the training time, and a
     # bound from the shapes measured stands in meanwhile).
-    monkeypatch.setattr("ckptwrap.planner._schedule.LEARN_SHARE", 1e9)
+    monkeypatch.setattr("ckptwrap.planner._planner.LEARN_SHARE", 1e9)
     largest = ZOO[name](4, 256)
     plain = copy.deepcopy(largest.model)
     # An absolute budget, so that the plans checkpoint more as the shapes grow.

@@ -18,7 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ckptwrap._errors import CheckpointConfigError
 from ckptwrap.planner import ModelProfile, ModuleCost, profile_modules
-from ckptwrap.planner._progress import should_show
+from ckptwrap.planner._metering import should_show
 
 
 # --- independent counts ---------------------------------------------------------------------

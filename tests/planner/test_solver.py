@@ -24,14 +24,8 @@ from hypothesis import strategies as st
 
 from ckptwrap._errors import CheckpointConfigError
 from ckptwrap.planner import _solver
-from ckptwrap.planner._solver import (
-    BudgetSolution,
-    CostItem,
-    format_bytes,
-    predicted_peak,
-    smallest_reachable_peak,
-    solve_budget,
-)
+from ckptwrap.planner import CostItem, format_bytes, predicted_peak
+from ckptwrap.planner._solver import BudgetSolution, smallest_reachable_peak, solve_budget
 
 MIB = 1 << 20
 

@@ -20,15 +20,8 @@ import torch
 
 from ckptwrap._errors import CheckpointConfigError
 from ckptwrap.planner import _solver
-from ckptwrap.planner._solver import (
-    BudgetSolution,
-    CostItem,
-    CostOption,
-    pooled_times,
-    predicted_peak,
-    smallest_reachable_peak,
-    solve_budget,
-)
+from ckptwrap.planner import CostItem, CostOption, predicted_peak
+from ckptwrap.planner._solver import BudgetSolution, pooled_times, smallest_reachable_peak, solve_budget
 
 MIB = 1 << 20
 

@@ -13,14 +13,8 @@ import pytest
 from ckptwrap._errors import CheckpointConfigError
 from ckptwrap.planner import resolve_budget
 from ckptwrap.policy import Budget
-from ckptwrap.planner._solver import (
-    CostItem,
-    PercentBudget,
-    pooled_times,
-    predicted_peak,
-    smallest_reachable_peak,
-    solve_budget,
-)
+from ckptwrap.planner import CostItem, predicted_peak
+from ckptwrap.planner._solver import PercentBudget, pooled_times, smallest_reachable_peak, solve_budget
 
 
 def _blocks(times, *, joins: bool = False, rebuilt: int = 120):

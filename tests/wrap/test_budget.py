@@ -20,7 +20,8 @@ import ckptwrap
 from ckptwrap import plan, unwrap_model, wrap_model
 from ckptwrap._errors import CheckpointConfigError
 from ckptwrap.planner import profile_modules, region_bytes, step_device, step_items
-from ckptwrap.planner._solver import predicted_peak, smallest_reachable_peak
+from ckptwrap.planner import predicted_peak
+from ckptwrap.planner._solver import smallest_reachable_peak
 
 from ._models import (
     TinyGPT,

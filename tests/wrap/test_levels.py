@@ -21,14 +21,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ckptwrap
 from ckptwrap import CheckpointConfigError
-import ckptwrap.planner._calls as calls
-import ckptwrap.planner._choose as choosing
-import ckptwrap.planner._items as costs
+import ckptwrap.planner._metering as calls
+import ckptwrap.planner._planner as choosing
+import ckptwrap.planner._peak_model as costs
 from ckptwrap import plan, unwrap_model, wrap_model
 from ckptwrap.planner import ShapePlanner, profile_modules
 from ckptwrap.planner._peak_model import CostItem, predicted_peak
-from ckptwrap.planner._levels import MAX_LEVELS, selective_levels
-from ckptwrap.planner._ops import OpCost
+from ckptwrap.planner._peak_model import MAX_LEVELS, selective_levels
+from ckptwrap.planner._costs import OpCost
 from ckptwrap.wrap._marks import apply_plan
 from ckptwrap.wrap._planning import plan_and_profile
 from ckptwrap.wrap._selective import SavedInstances
@@ -315,7 +315,7 @@ def test_switching_shape_plans_switches_each_modules_level(monkeypatch):
         )
 
     monkeypatch.setattr(choosing, "solve_budget", solve)
-    monkeypatch.setattr("ckptwrap.planner._schedule.LEARN_SHARE", 0.0)  # two solves, no more
+    monkeypatch.setattr("ckptwrap.planner._planner.LEARN_SHARE", 0.0)  # two solves, no more
     # The made-up solutions' predictions are no plan's: checks against them would miss.
     monkeypatch.setattr(ShapePlanner, "checked", lambda *args, **kwargs: None)
     model = wrap_model(make(TinyGPT), "budget:50%")

@@ -21,8 +21,9 @@ import ckptwrap
 from ckptwrap import plan, unwrap_model, wrap_model
 from ckptwrap._errors import CheckpointConfigError
 from ckptwrap.planner import profile_modules, region_bytes, step_device, step_items
-from ckptwrap.planner._solver import predicted_peak, solve_budget
-from ckptwrap.planner import _items
+from ckptwrap.planner import predicted_peak
+from ckptwrap.planner._solver import solve_budget
+from ckptwrap.planner import _peak_model
 from ckptwrap.wrap._marks import apply_plan as _apply
 from ckptwrap.engine._options import CheckpointOptions
 from ckptwrap.planner._plan import Plan, PlanEntry
@@ -201,12 +202,12 @@ def test_the_plan_table_marks_segment_members():
 
 def _constant_times(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every candidate takes the same time, so plans depend on bytes alone."""
-    cost_item = _items.cost_item
+    cost_item = _peak_model.cost_item
 
     def item(*args, **kwargs):
         return dataclasses.replace(cost_item(*args, **kwargs), time=1e-3)
 
-    monkeypatch.setattr(_items, "cost_item", item)
+    monkeypatch.setattr(_peak_model, "cost_item", item)
 
 
 def _step_items(model: nn.Module, example: Tuple[torch.Tensor, ...], *, segments: bool):

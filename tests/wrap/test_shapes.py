@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.profiler.profiler as profiler_module
 
-import ckptwrap.planner._profile as profile_module
+import ckptwrap.planner._metering as profile_module
 from ckptwrap import plan, unwrap_model, wrap_model
 from ckptwrap._errors import CheckpointConfigError
 from ckptwrap.planner import StepRecorder
@@ -122,7 +122,7 @@ def unbounded(monkeypatch):
     """Shapes without trusted costs measured, as if no bound from the shapes measured
     could stand for them: what these tests follow is the fit over shapes and its trust
     (bounds, and the steps they save, are ``tests/planner/test_bounds.py``'s)."""
-    from ckptwrap.planner._measuring import LayoutCosts
+    from ckptwrap.planner._shapes import LayoutCosts
 
     monkeypatch.setattr(LayoutCosts, "_bounded_at", lambda self, sizes, above=None: None)
 
