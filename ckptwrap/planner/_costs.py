@@ -3,14 +3,22 @@ is cut into and the meter that cuts it (``PhaseMeter``), the whole step's memory
 phase (``StepPeaks``), and what each candidate module costs in one step (``ModuleCost``,
 ``ModelProfile``). Measured once, read by the fits, the peak model and the solver.
 
-What each operator of one candidate call costs: the dispatch-level record that the
-budget planner turns into selective levels (save some operators' outputs, recompute the
-rest).
+What a profile is: the costs of each candidate module in one forward of the model
+(:class:`ModuleCost`), and of all of them with the training step (:class:`ModelProfile`).
+``profile_modules`` measures them; the shape fit (``CostFit``) evaluates them at any shape.
 
-Operators are named as selective checkpointing names them: by overload packet and by
-occurrence among the calls of that packet within one call of the module, skipping the
-operators torch's selective checkpointing ignores, so a recorded ``(op, occurrence)`` is
-the one a selective policy sees in a checkpointed call of the same module.
+The whole training step's memory, phase by phase, for the planner's step-peak model.
+
+A step measured with every outermost candidate checkpointed (the plan that holds the
+least between forward and backward) is cut into phases (``PhaseMeter``): each candidate's
+forward (with the code before it), the end of the forward (the rest of the forward, the
+loss, the output's gradient, the backward of the code after the last candidate), then
+per candidate its recomputation and its backward proper. What each phase reached beyond
+the activations the planner accounts for is the same under any plan: gradients flowing
+through, backward temporaries, parameter gradients accumulated so far, and whatever the
+caller keeps alive through the backward (``_peak_model.step_terms`` takes them out). Each
+phase keeps its moments too, so that the cost model can follow each of them across input
+shapes rather than only their maximum.
 
 A meter that cuts a training step into phases and keeps, per phase, its peak, its
 moments (the points at which its memory can peak) and its duration.
@@ -37,22 +45,14 @@ when the forward returns, carried through the backward node by node, cut by the
 candidates as they run and are recomputed, and finished where the backward ends, inside
 autograd's engine.
 
-The whole training step's memory, phase by phase, for the planner's step-peak model.
+What each operator of one candidate call costs: the dispatch-level record that the
+budget planner turns into selective levels (save some operators' outputs, recompute the
+rest).
 
-A step measured with every outermost candidate checkpointed (the plan that holds the
-least between forward and backward) is cut into phases (``PhaseMeter``): each candidate's
-forward (with the code before it), the end of the forward (the rest of the forward, the
-loss, the output's gradient, the backward of the code after the last candidate), then
-per candidate its recomputation and its backward proper. What each phase reached beyond
-the activations the planner accounts for is the same under any plan: gradients flowing
-through, backward temporaries, parameter gradients accumulated so far, and whatever the
-caller keeps alive through the backward (``_peak_model.step_terms`` takes them out). Each
-phase keeps its moments too, so that the cost model can follow each of them across input
-shapes rather than only their maximum.
-
-What a profile is: the costs of each candidate module in one forward of the model
-(:class:`ModuleCost`), and of all of them with the training step (:class:`ModelProfile`).
-``profile_modules`` measures them; the shape fit (``CostFit``) evaluates them at any shape.
+Operators are named as selective checkpointing names them: by overload packet and by
+occurrence among the calls of that packet within one call of the module, skipping the
+operators torch's selective checkpointing ignores, so a recorded ``(op, occurrence)`` is
+the one a selective policy sees in a checkpointed call of the same module.
 """
 
 from __future__ import annotations

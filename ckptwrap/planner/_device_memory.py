@@ -1,12 +1,12 @@
 """What a device holds besides one training step: the optimizer's state and step, the
 parameters and gradients, and the budget in a device's terms.
 
-The optimizer as the device's memory sees it: its state and its step's temporaries,
-measured from two steps of it over fake stand-ins of the model's parameters.
-
 What a device holds besides one training step, for budgets in a device's terms
 (``budget:total=SIZE``, ``budget:device``): the parameters, buffers and gradients, and
 the optimizer's state and step, measured from two optimizer steps on fake tensors.
+
+The optimizer as the device's memory sees it: its state and its step's temporaries,
+measured from two steps of it over fake stand-ins of the model's parameters.
 """
 
 from __future__ import annotations

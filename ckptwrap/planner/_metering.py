@@ -2,28 +2,6 @@
 time, what a measured step keeps per candidate and per call, the recorder the marks feed,
 and the step run on given inputs (``profile_modules``).
 
-What operators cost in time, and keeping the random number generators' state (so that a
-step run to be measured changes neither what it draws nor what the model draws next):
-what one operator costs to run through a measuring dispatch mode, so that times metered
-under one are told apart from the work itself; and the prices the budget solver weighs
-recomputations at, from what they run (operators, FLOPs, bytes), so that a run's timing
-noise decides no plan.
-
-What a measured step keeps per candidate while it runs: its :class:`Record` (the
-fields of its ``ModuleCost``, added up call by call), and the ledger of which storages
-are the inputs of which outermost calls.
-
-A small text progress bar on standard error, for long measurements.
-
-It draws only on a terminal (or when asked explicitly), so logs and captured output of
-scripts and tests stay clean. It has no dependencies beyond the standard library.
-
-The account a measured step keeps of its candidates' calls: per call, what it takes,
-saves and returns; across calls, the storages outside every candidate (the base), which
-inputs are shared, which calls chain; and, at the end, each candidate's ``ModuleCost``.
-
-Fed by the step recorder (``StepRecorder``), which sees the calls as they happen.
-
 Measuring one training step into a profile: the step runs with every outermost
 candidate checkpointed (the plan of least memory, whose phases can be told apart), and
 this recorder, fed by the candidates as they run and are recomputed, learns what each
@@ -50,6 +28,28 @@ back after, FSDP2's counted storage by storage through its hooks), and a recorde
 This is how costs are measured where the caller hands example inputs (``plan``,
 ``wrap_model(..., example_inputs=...)``, the doctor, the command line); a wrapped model
 learns from its own training steps instead, through the same recorder.
+
+What a measured step keeps per candidate while it runs: its :class:`Record` (the
+fields of its ``ModuleCost``, added up call by call), and the ledger of which storages
+are the inputs of which outermost calls.
+
+The account a measured step keeps of its candidates' calls: per call, what it takes,
+saves and returns; across calls, the storages outside every candidate (the base), which
+inputs are shared, which calls chain; and, at the end, each candidate's ``ModuleCost``.
+
+Fed by the step recorder (``StepRecorder``), which sees the calls as they happen.
+
+What operators cost in time, and keeping the random number generators' state (so that a
+step run to be measured changes neither what it draws nor what the model draws next):
+what one operator costs to run through a measuring dispatch mode, so that times metered
+under one are told apart from the work itself; and the prices the budget solver weighs
+recomputations at, from what they run (operators, FLOPs, bytes), so that a run's timing
+noise decides no plan.
+
+A small text progress bar on standard error, for long measurements.
+
+It draws only on a terminal (or when asked explicitly), so logs and captured output of
+scripts and tests stay clean. It has no dependencies beyond the standard library.
 """
 
 from __future__ import annotations

@@ -2,6 +2,42 @@
 for its shape, found among those solved, or the plan of least memory measured), the
 budget in bytes at each shape, and which solved steps are checked.
 
+The planner of one model and policy: what to do at each training forward, learned from
+the training steps themselves.
+
+Each training forward is a :class:`Decision`. Where the costs at its shape are known (a
+step measured at that shape, a trusted fit that stands for it, or a bound from a shape
+measured, ``LayoutCosts``), it is a solve: the plan of least recompute time whose
+predicted peak fits the budget, less the margin the closed loop added, and some of those
+steps are checked against their prediction (:meth:`ShapePlanner.checked`). Where they
+are not, or a bound puts every plan over the budget, or learning may spend the time
+(``CheckSchedule``), the step runs under the plan of least memory (every candidate
+checkpointed) and is measured as it runs (:meth:`ShapePlanner.learned`). Example inputs
+are real inputs too: :meth:`choose` measures one step on them at once.
+
+A budget in bytes is the same at every shape. ``budget:NN%`` is NN% of the predicted
+un-checkpointed step peak at the largest shape planned so far (largest by that peak),
+turned into bytes. A shape that no plan fits gets its plan of least memory, said (a
+``UserWarning`` naming the shape, the budget and the peak) at its first step after a step
+at another shape, measured steps included (``strict`` raises instead: at wrap time with
+example inputs).
+
+What one training forward runs under, as the planner decided it.
+
+From a profile at one shape to a plan's choice: the solver's items with the step's
+terms, the un-checkpointed peak, and, for a budget, the plan of least recompute time that
+fits it (or, where none does, the plan of least memory).
+
+What a planner keeps of the plans it solved: the plans by the profile, budget and
+margin they were solved under, the shapes' un-checkpointed peaks, and the shapes the
+un-checkpointed step fitted at (a shape no larger in any shape variable needs no plan:
+the step's costs grow with every variable, so its forward runs with nothing checkpointed
+without evaluating a fit or solving).
+
+The budget in bytes a planner solves for at each shape: an amount, the same at every
+shape; a share of the largest un-checkpointed peak planned for so far (or predicted at
+the declared largest shapes); or a device's memory less what the model holds there.
+
 Which solved training steps are metered against their prediction, the closed loop's
 checks: each check costs a metered step (on the CPU, every operator goes through a
 counting dispatch mode; on an accelerator, reading the allocator's statistics is free).
@@ -29,42 +65,6 @@ the same at any size: the operators' launch, not their work), and a metered step
 adds as a share of the time an unmetered step of its size takes. A check or measurement
 is due where that share of the coming step's own time is within what the training so
 far allows: a check learned on a short batch is not taken as the price of a long one.
-
-From a profile at one shape to a plan's choice: the solver's items with the step's
-terms, the un-checkpointed peak, and, for a budget, the plan of least recompute time that
-fits it (or, where none does, the plan of least memory).
-
-What a planner keeps of the plans it solved: the plans by the profile, budget and
-margin they were solved under, the shapes' un-checkpointed peaks, and the shapes the
-un-checkpointed step fitted at (a shape no larger in any shape variable needs no plan:
-the step's costs grow with every variable, so its forward runs with nothing checkpointed
-without evaluating a fit or solving).
-
-The budget in bytes a planner solves for at each shape: an amount, the same at every
-shape; a share of the largest un-checkpointed peak planned for so far (or predicted at
-the declared largest shapes); or a device's memory less what the model holds there.
-
-What one training forward runs under, as the planner decided it.
-
-The planner of one model and policy: what to do at each training forward, learned from
-the training steps themselves.
-
-Each training forward is a :class:`Decision`. Where the costs at its shape are known (a
-step measured at that shape, a trusted fit that stands for it, or a bound from a shape
-measured, ``LayoutCosts``), it is a solve: the plan of least recompute time whose
-predicted peak fits the budget, less the margin the closed loop added, and some of those
-steps are checked against their prediction (:meth:`ShapePlanner.checked`). Where they
-are not, or a bound puts every plan over the budget, or learning may spend the time
-(``CheckSchedule``), the step runs under the plan of least memory (every candidate
-checkpointed) and is measured as it runs (:meth:`ShapePlanner.learned`). Example inputs
-are real inputs too: :meth:`choose` measures one step on them at once.
-
-A budget in bytes is the same at every shape. ``budget:NN%`` is NN% of the predicted
-un-checkpointed step peak at the largest shape planned so far (largest by that peak),
-turned into bytes. A shape that no plan fits gets its plan of least memory, said (a
-``UserWarning`` naming the shape, the budget and the peak) at its first step after a step
-at another shape, measured steps included (``strict`` raises instead: at wrap time with
-example inputs).
 """
 
 from __future__ import annotations

@@ -2,6 +2,30 @@
 draws on, the fit of every cost term over them, and what the planner knows of each
 layout of inputs.
 
+What the planner knows of one layout of a model's inputs: the profiles of the steps
+measured at its shapes, their fit over the shape variables (``CostFit``), whether that fit
+may stand for shapes not measured, and the margin the closed loop added.
+
+A fit is trusted once it has predicted a measured step it was not fitted on, within
+``_TRUST_UNDER`` (too low) and ``_TRUST_OVER`` (too high) of that step's peak; the fits
+after it keep to its monomials (its *form*) while they predict the steps measured next,
+and fit all the monomials the shapes tell apart again after one they miss. A trusted fit
+stands only where the measured shapes determine it (a batch measured at one size says
+nothing of another) and where no monomial it leaves out, fitted beside its own, would
+move its peaks by more than those shares (``CostFit.leeway``), and up to a tenth past the
+largest size of each variable measured. Elsewhere a bound from a measured shape stands
+(``_bounded_at``): costs grow with the shape, so a larger measured shape bounds them, and
+a smaller one scaled up by its growth. A checked step above its prediction adds that share of the
+un-checkpointed peak as a margin; a large miss at a shape not measured has that shape
+measured again.
+
+A layout is widened where inputs differ from it in sizes only (``InputLayout.widened``):
+the dimensions that changed become variables of it, what was measured keeps its place
+(at the sizes those dimensions had), and no new layout is opened.
+
+While the planner runs the model itself on given inputs (``plan``, example inputs),
+:func:`is_measuring` is true, so that a hook that plans leaves those forwards alone.
+
 The shape variables of a model's inputs: which tensor dimensions carry the batch and
 which a length (a sequence length, an image side), read from one forward's inputs, and
 the sizes another forward's inputs give them. Costs are fitted over these variables; the
@@ -36,11 +60,6 @@ them, where those dimensions are variables of their own. A variable found so has
 size it took before as its value at the shapes measured then (``InputLayout.extended``),
 so nothing measured is lost, and any number of sizes share one layout.
 
-Polynomials over the inputs' shape variables: the monomials a fit may draw on, those a
-set of measured shapes can tell apart, and least-squares fits of many columns at once,
-kept as plain floats so that evaluating one allocates no tensor (plans are solved at the
-start of a training step, inside its memory).
-
 Costs over input shapes: every term of the profiles of real steps, measured at the
 shapes the caller's inputs took, fitted as a polynomial in the inputs' shape variables,
 so that the profile at another shape is a few dot products rather than a new measurement.
@@ -69,29 +88,10 @@ more samples than monomials, :meth:`CostFit.leeway` says how far each monomial i
 out, fitted beside them, would move its peaks at another shape: it stands where none
 would move them much, and where the samples determine the costs at all.
 
-What the planner knows of one layout of a model's inputs: the profiles of the steps
-measured at its shapes, their fit over the shape variables (``CostFit``), whether that fit
-may stand for shapes not measured, and the margin the closed loop added.
-
-A fit is trusted once it has predicted a measured step it was not fitted on, within
-``_TRUST_UNDER`` (too low) and ``_TRUST_OVER`` (too high) of that step's peak; the fits
-after it keep to its monomials (its *form*) while they predict the steps measured next,
-and fit all the monomials the shapes tell apart again after one they miss. A trusted fit
-stands only where the measured shapes determine it (a batch measured at one size says
-nothing of another) and where no monomial it leaves out, fitted beside its own, would
-move its peaks by more than those shares (``CostFit.leeway``), and up to a tenth past the
-largest size of each variable measured. Elsewhere a bound from a measured shape stands
-(``_bounded_at``): costs grow with the shape, so a larger measured shape bounds them, and
-a smaller one scaled up by its growth. A checked step above its prediction adds that share of the
-un-checkpointed peak as a margin; a large miss at a shape not measured has that shape
-measured again.
-
-A layout is widened where inputs differ from it in sizes only (``InputLayout.widened``):
-the dimensions that changed become variables of it, what was measured keeps its place
-(at the sizes those dimensions had), and no new layout is opened.
-
-While the planner runs the model itself on given inputs (``plan``, example inputs),
-:func:`is_measuring` is true, so that a hook that plans leaves those forwards alone.
+Polynomials over the inputs' shape variables: the monomials a fit may draw on, those a
+set of measured shapes can tell apart, and least-squares fits of many columns at once,
+kept as plain floats so that evaluating one allocates no tensor (plans are solved at the
+start of a training step, inside its memory).
 """
 
 from __future__ import annotations

@@ -2,15 +2,15 @@
 allocates (``step_device``), the fake-tensor step of a model on the meta device, and what
 a device computes and moves per second.
 
-What a device computes and moves per second: the rates at which a step run on fake
-tensors (where no time means anything) is priced, from its operators' FLOPs and bytes.
-Accelerators' dense peak rates come from a table; the CPU's are measured here.
-
 Where a step allocates (``step_device``), and steps that allocate nothing real: a
 model on the meta device or made of fake tensors (``FakeTensorMode``), or any model asked
 to, is measured from one step on fake tensors, whose storages have the sizes the device's
 kernels give; real inputs stay real, and an operator that needs a tensor's values is
 refused, named. Times are priced (``DeviceRates``).
+
+What a device computes and moves per second: the rates at which a step run on fake
+tensors (where no time means anything) is priced, from its operators' FLOPs and bytes.
+Accelerators' dense peak rates come from a table; the CPU's are measured here.
 """
 
 from __future__ import annotations
