@@ -1,4 +1,8 @@
-"""Offloading a region's saved tensors to host memory, with copies that overlap compute.
+"""Offloading a region's saved tensors to host memory: the host buffers and streams,
+which saved tensors stay on the device, what autograd holds for an offloaded tensor, which
+backward pass an unpack belongs to, and the copies that overlap compute.
+
+Offloading a region's saved tensors to host memory, with copies that overlap compute.
 
 The ``offload`` tier keeps the tensors a region saves for backward in pinned host memory.
 Copies run on side streams so that they overlap the model's kernels: device-to-host as the
@@ -12,6 +16,24 @@ CPU tensors are kept as they are (moving them to the CPU moves nothing), and so 
 below :data:`SMALL_TENSOR_BYTES` and what :class:`~._offload_keep.Keep` keeps (the
 region's parameters, buffers and their casts). Accelerators without streams get plain
 synchronous copies. ``_offload_testing`` runs all of this on the CPU, for tests.
+
+What autograd holds for an offloaded tensor between forward and backward: a view
+(:class:`Saved`, one per pack) of a host copy of its storage's bytes (:class:`Stored`, one
+per storage version, shared by every view of it a region saved).
+
+Which saved tensors an offloaded region leaves on the device however large they are:
+its owner's parameters and buffers, and casts of those parameters (autocast's bf16 copies
+of fp32 weights, a model's own ``weight.to(dtype)``), which the plain run holds anyway.
+Nested FSDP units are refused: FSDP frees their gathered parameters under the copy.
+
+Which backward pass an unpack belongs to, and a call when that pass ends.
+
+The offload tier fetches each region once per backward pass (``retain_graph=True``, a
+second ``backward``, a partial ``torch.autograd.grad`` are each a pass of their own) and
+drops, when the pass ends, the copies it fetched that the pass did not use.
+
+Host memory and streams for offloading: a bounded pool of (pinned) host buffers reused
+step after step, and the side streams one device copies on.
 """
 
 from __future__ import annotations
@@ -20,19 +42,491 @@ import collections
 import contextlib
 import dataclasses
 import itertools
+import sys
 import threading
 import weakref
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ._host import HostPool, Lanes, device_lanes
-from ._offload_keep import Keep
-from ._offload_pass import PassClock
-from ._offload_saved import Saved, Stored, span
+from .. import _torch_private
+from .._errors import CheckpointConfigError
 
-__all__ = ["SMALL_TENSOR_BYTES", "HostPool", "Lanes", "OffloadStats", "Offloader", "default_offloader"]
+__all__ = [
+    "Lanes",
+    "Offloader",
+    "default_offloader",
+]
+
+
+_SMALLEST_CLASS = 512
+
+
+def size_class(nbytes: int) -> int:
+    """The buffer size ``nbytes`` is rounded up to: four classes per power of two (5/8,
+    6/8, 7/8 and 8/8 of it), so a buffer is at most 25% larger than asked for and a
+    sequence length that changes a little lands in a class already pooled."""
+    if nbytes <= _SMALLEST_CLASS:
+        return _SMALLEST_CLASS
+    step = (1 << (nbytes - 1).bit_length()) // 8
+    return -(-nbytes // step) * step
+
+
+class HostPool:
+    """Host buffers (flat ``uint8``) reused across steps, in size classes, with a bound on
+    the bytes kept idle.
+
+    A request takes an idle buffer of its size class, or one of the next classes up to
+    twice its size; otherwise a new one is allocated. When more than ``max_idle_bytes``
+    sit idle, the least recently returned buffers are dropped (pinned ones go back to
+    torch's own pinned-memory cache, which reuses them by size).
+
+    A buffer comes back with the event of the last copy that read it; whoever takes it next
+    makes its own copy wait on that event, so a buffer is never overwritten while an earlier
+    host-to-device copy still reads it. Buffers are given back from finalizers, possibly on
+    another thread or in the middle of a garbage collection, so giving back only appends to
+    a deque (atomic) and taking drains that deque under a lock.
+
+    Args:
+        max_idle_bytes: Most bytes kept idle. None: the most bytes ever lent at once, so
+            the pool holds at most one more step's worth of buffers than the largest step
+            needed, however often shapes change.
+    """
+
+    def __init__(self, *, max_idle_bytes: Optional[int] = None) -> None:
+        if max_idle_bytes is not None and max_idle_bytes < 0:
+            raise ValueError(f"max_idle_bytes must be None or >= 0, got {max_idle_bytes!r}")
+        self.max_idle_bytes = max_idle_bytes
+        # Idle buffers by (size, pinned), oldest on the left, and every idle buffer's
+        # sequence number in the order it came back, for eviction.
+        self._free: Dict[Tuple[int, bool], Deque[Tuple[int, torch.Tensor, Any]]] = {}
+        self._order: "collections.OrderedDict[int, Tuple[int, bool]]" = collections.OrderedDict()
+        self._sequence = itertools.count()
+        self._returned: Deque[Tuple[torch.Tensor, bool, Any]] = collections.deque()
+        self._lock = threading.Lock()
+        self.allocations = 0
+        """Buffers allocated so far (not reused)."""
+        self.allocated_bytes = 0
+        """Bytes of all buffers allocated so far."""
+        self.evictions = 0
+        """Idle buffers dropped to keep within the bound."""
+        self.peak_lent_bytes = 0
+        """The most bytes lent at once so far."""
+        self._lent = 0
+        self._lent_bytes = 0
+        self._idle_bytes = 0
+
+    def take(self, nbytes: int, *, pin: bool) -> Tuple[torch.Tensor, Any]:
+        """A buffer of at least ``nbytes`` bytes, and the event its last reader recorded
+        (None for a new buffer). Give the whole buffer back, not a slice of it."""
+        size = size_class(nbytes)
+        with self._lock:
+            self._drain()
+            found = self._pop(size, pin)
+            if found is None:
+                self.allocations += 1
+                self.allocated_bytes += size
+            else:
+                size = found[0].numel()
+            self._lent += 1
+            self._lent_bytes += size
+            self.peak_lent_bytes = max(self.peak_lent_bytes, self._lent_bytes)
+        if found is not None:
+            return found
+        return torch.empty(size, dtype=torch.uint8, pin_memory=pin), None
+
+    def give(self, buffer: torch.Tensor, pinned: bool, last_use: Any = None) -> None:
+        """Return ``buffer``; ``last_use`` is the event after which nothing reads it."""
+        self._returned.append((buffer, pinned, last_use))
+
+    @property
+    def lent(self) -> int:
+        """Buffers taken and not given back yet."""
+        with self._lock:
+            self._drain()
+            return self._lent
+
+    @property
+    def lent_bytes(self) -> int:
+        """Bytes of the buffers taken and not given back yet."""
+        with self._lock:
+            self._drain()
+            return self._lent_bytes
+
+    @property
+    def idle_bytes(self) -> int:
+        """Bytes of the buffers waiting in the pool to be reused."""
+        with self._lock:
+            self._drain()
+            return self._idle_bytes
+
+    def free_buffers(self) -> int:
+        """Buffers waiting in the pool to be reused."""
+        with self._lock:
+            self._drain()
+            return len(self._order)
+
+    def clear(self) -> None:
+        """Drop every idle buffer (those lent out come back later as usual)."""
+        with self._lock:
+            self._drain()
+            self._free.clear()
+            self._order.clear()
+            self._idle_bytes = 0
+
+    def _pop(self, size: int, pin: bool) -> Optional[Tuple[torch.Tensor, Any]]:
+        candidate = size
+        while candidate <= 2 * size:
+            idle = self._free.get((candidate, pin))
+            if idle:
+                sequence, buffer, last_use = idle.pop()  # the most recent: likeliest warm
+                del self._order[sequence]
+                self._idle_bytes -= candidate
+                return buffer, last_use
+            candidate = size_class(candidate + 1)
+        return None
+
+    def _drain(self) -> None:
+        while self._returned:
+            buffer, pinned, last_use = self._returned.popleft()  # in the order given back
+            size = buffer.numel()
+            self._lent -= 1
+            self._lent_bytes -= size
+            sequence = next(self._sequence)
+            self._free.setdefault((size, pinned), collections.deque()).append((sequence, buffer, last_use))
+            self._order[sequence] = (size, pinned)
+            self._idle_bytes += size
+        bound = self.max_idle_bytes if self.max_idle_bytes is not None else self.peak_lent_bytes
+        while self._idle_bytes > bound:
+            sequence, key = self._order.popitem(last=False)
+            oldest = self._free[key].popleft()  # a class's oldest is on its left
+            assert oldest[0] == sequence
+            self._idle_bytes -= key[0]
+            self.evictions += 1
+
+
+@dataclasses.dataclass
+class Lanes:
+    """The streams of one device: the compute stream is whatever is current; copies run on
+    two side streams of their own.
+
+    Attributes:
+        d2h: Side stream for device-to-host copies.
+        h2d: Side stream for host-to-device copies.
+        current: Returns the device's current (compute) stream.
+        use: Context manager factory that makes a stream current.
+        pin: Whether host buffers for this device are pinned.
+        record_stream: Tells the allocator that a tensor is used on a stream other than
+            the one it was allocated on; None: ``Tensor.record_stream``.
+    """
+
+    d2h: Any
+    h2d: Any
+    current: Callable[[], Any]
+    use: Callable[[Any], Any]
+    pin: bool = True
+    record_stream: Optional[Callable[[torch.Tensor, Any], None]] = None
+
+    def record(self, tensor: torch.Tensor, stream: Any) -> None:
+        """Keep ``tensor``'s memory from reuse until ``stream``'s work queued so far is done."""
+        if self.record_stream is None:
+            tensor.record_stream(stream)
+        else:
+            self.record_stream(tensor, stream)
+
+
+def device_lanes(device: torch.device) -> Optional[Lanes]:
+    """Streams for ``device``; None for the CPU and for devices without streams."""
+    if device.type in ("cpu", "meta"):
+        return None
+    if device.type == "cuda":
+        return Lanes(
+            d2h=torch.cuda.Stream(device),
+            h2d=torch.cuda.Stream(device),
+            current=lambda: torch.cuda.current_stream(device),
+            use=torch.cuda.stream,
+        )
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    if accelerator is None or accelerator.type != device.type or not hasattr(torch.Stream, "__enter__"):
+        return None
+    index = device.index if device.index is not None else torch.accelerator.current_device_index()
+    try:
+        return Lanes(
+            d2h=torch.Stream(device=torch.device(device.type, index)),
+            h2d=torch.Stream(device=torch.device(device.type, index)),
+            current=lambda: torch.accelerator.current_stream(index),
+            use=lambda stream: stream,
+        )
+    except (RuntimeError, NotImplementedError):  # a backend without stream support
+        return None
+
+
+# Where FSDP's module classes live, by torch version (FSDP2 public from 2.6, composable
+# before; FSDP1). Only modules already imported are consulted: a model cannot hold an FSDP
+# unit unless FSDP was imported. The check walks the owner's submodules at each entry.
+_FSDP_CLASSES = (
+    ("torch.distributed.fsdp", "FSDPModule"),
+    ("torch.distributed._composable.fsdp", "FSDPModule"),
+    ("torch.distributed.fsdp", "FullyShardedDataParallel"),
+)
+
+
+def _fsdp_types() -> Tuple[type, ...]:
+    found = []
+    for module_name, attribute in _FSDP_CLASSES:
+        cls = getattr(sys.modules.get(module_name), attribute, None)
+        if isinstance(cls, type) and cls not in found:
+            found.append(cls)
+    return tuple(found)
+
+
+def _refuse_nested_fsdp(owner: torch.nn.Module) -> None:
+    types = _fsdp_types()
+    nested = next((m for m in owner.modules() if m is not owner and isinstance(m, types)), None) if types else None
+    if nested is None:
+        return
+    name = next(name for name, module in owner.named_modules() if module is nested)
+    kind = type(owner).__name__
+    raise CheckpointConfigError(
+        f"{kind} is offloaded (the 'offload' tier) but its submodule {name!r} "
+        f"({type(nested).__name__}) is an FSDP unit of its own: FSDP frees that unit's "
+        f"gathered parameters after its forward, while the offload tier may still be "
+        f"copying them to host memory. Apply fully_shard to {kind} itself or to a module "
+        f"above it, not inside it, or leave {kind} out of the offload policy."
+    )
+
+
+def _autocast_dtypes(device_types: Set[str]) -> Dict[str, torch.dtype]:
+    found = {}
+    for device in device_types:
+        with contextlib.suppress(RuntimeError, TypeError):  # a device type autocast does not know
+            if torch.is_autocast_enabled(device):
+                found[device] = torch.get_autocast_dtype(device)
+    return found
+
+
+def _storage(tensor: torch.Tensor) -> Optional[int]:
+    with contextlib.suppress(RuntimeError, NotImplementedError):  # lazy tensors, subclasses
+        return tensor.untyped_storage().data_ptr()
+    return None
+
+
+class Keep:
+    """The storages one region keeps on the device, from its owner.
+
+    During the owner's forward its parameters are the ones it computes with (FSDP2 has
+    swapped in the gathered, unsharded ones by then), so their storages are known at
+    entry. Casts are recognised as they are saved: a tensor (or a view of one) made by
+    ``_to_copy`` straight from one of those parameters; under autocast (on at entry), also
+    a cast of a frozen parameter, which has no autograd history: a tensor that does not
+    require grad, in autocast's dtype, shaped like a frozen parameter of the owner. That
+    last rule can keep an activation of the same shape too: it costs memory, never
+    correctness.
+
+    Args:
+        owner: The region's module, or None for a plain function (nothing kept).
+
+    Raises:
+        CheckpointConfigError: ``owner`` holds an FSDP unit of its own below it.
+    """
+
+    __slots__ = ("storages", "frozen", "autocast")
+
+    def __init__(self, owner: Optional[torch.nn.Module]) -> None:
+        self.storages: Set[int] = set()
+        self.frozen: Set[Tuple[int, ...]] = set()
+        self.autocast: Dict[str, torch.dtype] = {}  # device type -> dtype, where enabled
+        if owner is None:
+            return
+        _refuse_nested_fsdp(owner)
+        for tensor in itertools.chain(owner.parameters(), owner.buffers()):
+            pointer = _storage(tensor)
+            if pointer is not None:
+                self.storages.add(pointer)
+        frozen = [p for p in owner.parameters() if not p.requires_grad]
+        if frozen:
+            self.frozen = {tuple(p.shape) for p in frozen}
+            # Read here, not as tensors are saved: inside an operator autocast redispatches
+            # to, torch.is_autocast_enabled() is False.
+            self.autocast = _autocast_dtypes({p.device.type for p in frozen})
+
+    def holds(self, tensor: torch.Tensor, pointer: int) -> bool:
+        """Whether ``tensor`` (whose storage is at ``pointer``) stays on the device."""
+        if pointer in self.storages:
+            return True
+        if self._is_cast(tensor):
+            self.storages.add(pointer)  # its other views, saved later, are decided at once
+            return True
+        return False
+
+    def _is_cast(self, tensor: torch.Tensor) -> bool:
+        root = tensor._base if tensor._base is not None else tensor
+        node = root.grad_fn
+        if node is not None:
+            if type(node).__name__ != "ToCopyBackward0" or not node.next_functions:
+                return False
+            variable = getattr(node.next_functions[0][0], "variable", None)  # AccumulateGrad's leaf
+            return variable is not None and _storage(variable) in self.storages
+        if root.requires_grad or self.autocast.get(root.device.type) != root.dtype:
+            return False
+        return tuple(root.shape) in self.frozen
+
+
+def _queue_callback(callback: Callable[[], None]) -> bool:
+    """Run ``callback`` when the current backward pass ends; False outside backward (or
+    on a torch without the engine's callbacks)."""
+    queue = _torch_private.queue_callback
+    if queue is None:
+        return False
+    try:
+        queue(callback)
+    except RuntimeError:  # "Final callbacks can only be installed during backward pass"
+        return False
+    return True
+
+
+class PassClock:
+    """Keys for backward passes: one per pass, None outside backward.
+
+    A pass is keyed by the autograd engine's graph task id (``_torch_private``: present in
+    the torch 2.11 of the GPU machine and the 2.13 here). Where that reads -1 (outside
+    backward, or a torch without it), a final callback of our own tells whether a backward
+    runs and keys it until it ends; it cannot tell a backward nested in another from the
+    outer one, which then share copies: still correct, fetched on demand. Without the
+    engine's callbacks every unpack counts as outside backward: a copy of its own each
+    time, the same gradients, no prefetch.
+
+    Args:
+        on_end: Called with a pass's key when that pass ends (not when it raises).
+    """
+
+    def __init__(self, on_end: Callable[[int], None]) -> None:
+        self._on_end = on_end
+        self._open: Set[int] = set()
+        self._lock = threading.Lock()
+        self._fallback: Optional[int] = None
+        self._fallback_ids = itertools.count(start=-2, step=-1)  # apart from task ids (>= 0)
+
+    def current(self) -> Optional[int]:
+        """The key of the backward pass running now, or None outside backward."""
+        task = _torch_private.graph_task_id()
+        if task < 0:
+            return self._current_fallback()
+        with self._lock:
+            if task in self._open:
+                return task
+        if not _queue_callback(lambda: self._close(task)):
+            return None
+        with self._lock:
+            self._open.add(task)
+        return task
+
+    def is_open(self, key: int) -> bool:
+        """Whether the pass ``key`` has begun and not ended yet."""
+        with self._lock:
+            return key in self._open or key == self._fallback
+
+    def _current_fallback(self) -> Optional[int]:
+        with self._lock:
+            if self._fallback is not None:
+                return self._fallback
+        key = next(self._fallback_ids)
+        if not _queue_callback(lambda: self._close(key)):
+            return None
+        with self._lock:
+            self._fallback = key
+        return key
+
+    def _close(self, key: int) -> None:
+        with self._lock:
+            self._open.discard(key)
+            if self._fallback == key:
+                self._fallback = None
+        self._on_end(key)
+
+
+
+def span(tensor: torch.Tensor) -> int:
+    """Elements of the storage from the tensor's first to its last element."""
+    if tensor.numel() == 0:
+        return 0
+    return 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+
+
+class Stored:
+    """Bytes ``lo:hi`` of one storage, copied to a host buffer, and their device copy for
+    the backward pass that needs them now.
+
+    Its host buffer goes back to the pool when autograd drops the last view of it (the
+    graph is freed, after the last backward that could need it), never when it is merely
+    unpacked: ``retain_graph=True`` may unpack it again.
+    """
+
+    __slots__ = (
+        "region", "pool", "host", "pinned", "lo", "hi", "device", "version",
+        "copied", "stream", "source", "packs",
+        "pass_key", "unpacks", "handed", "device_copy", "ready", "home", "last_read",
+        "__weakref__",
+    )
+
+    def __init__(self, region: Any, pool: "HostPool", host: torch.Tensor, pinned: bool, lo: int, hi: int,
+                 tensor: torch.Tensor) -> None:
+        self.region = region
+        self.pool, self.host, self.pinned = pool, host, pinned
+        self.lo, self.hi = lo, hi
+        self.device, self.version = tensor.device, tensor._version
+        self.copied: Any = None  # event: the device-to-host copy is done
+        self.stream: Any = None  # the compute stream at the copy, which the source belongs to
+        self.source: Optional[torch.Tensor] = None  # the device bytes, held until copied
+        self.packs = 0  # views handed to autograd: unpacks to expect per backward pass
+        self.pass_key: Optional[int] = None  # the backward pass the device copy is for
+        self.unpacks = 0  # in that pass
+        self.handed = False  # the device copy was handed to autograd in that pass
+        self.device_copy: Optional[torch.Tensor] = None
+        self.ready: Any = None  # event: the host-to-device copy is done (None: the source)
+        self.home: Any = None  # the stream the device copy's memory belongs to
+        self.last_read: Any = None  # event of the last copy that read the host buffer
+
+    @property
+    def nbytes(self) -> int:
+        return self.hi - self.lo
+
+    def holds(self, start: int, stop: int, itemsize: int) -> bool:
+        """Whether a view spanning bytes ``start:stop`` of the storage, in elements of
+        ``itemsize`` bytes, can be read from this copy."""
+        return (
+            self.lo <= start and stop <= self.hi
+            and self.lo % itemsize == 0 and self.nbytes % itemsize == 0 and (start - self.lo) % itemsize == 0
+        )
+
+    def __del__(self) -> None:
+        try:
+            if self.device_copy is not None and self.ready is not None and not self.handed:
+                # Fetched ahead but never used: the stream that owns this memory must not
+                # reuse it before the copy into it is done.
+                self.home.wait_event(self.ready)
+            last = self.last_read if self.last_read is not None else self.copied
+            self.pool.give(self.host, self.pinned, last)
+        except Exception:  # noqa: BLE001 - interpreter shutdown: nothing left to return to
+            pass
+
+
+class Saved:
+    """One saved tensor: its place in a :class:`Stored` copy."""
+
+    __slots__ = ("stored", "size", "stride", "offset", "dtype")
+
+    def __init__(self, stored: Stored, tensor: torch.Tensor, start: int) -> None:
+        self.stored = stored
+        self.size, self.stride, self.dtype = tensor.shape, tensor.stride(), tensor.dtype
+        self.offset = (start - stored.lo) // tensor.element_size()  # in elements, from lo
+
+    def view(self, flat: torch.Tensor) -> torch.Tensor:
+        """This tensor, read from ``flat``, the stored bytes on the device."""
+        typed = flat.view(self.dtype)
+        return typed.as_strided(self.size, self.stride, typed.storage_offset() + self.offset)
+
 
 SMALL_TENSOR_BYTES = 1 << 20
 """Saved tensors smaller than this stay on the device: their copy would cost more in

@@ -14,7 +14,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
 
-from ._host import Lanes
+from ._offload import Lanes
 from ._offload import Offloader
 
 __all__ = ["CpuLanes", "FakeEvent", "FakeStream", "cpu_offloader"]

@@ -17,10 +17,7 @@ from torch import nn
 
 import ckptwrap
 from ckptwrap.wrap import _offload
-from ckptwrap.wrap._host import size_class
-from ckptwrap.wrap._offload import HostPool, Offloader
-from ckptwrap.wrap._offload_keep import Keep
-from ckptwrap.wrap._offload_saved import Saved
+from ckptwrap.wrap._offload import HostPool, Keep, Offloader, Saved, size_class
 from ckptwrap.wrap._offload_testing import CpuLanes, cpu_offloader
 
 from ._models import assert_same

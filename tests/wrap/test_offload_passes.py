@@ -21,7 +21,7 @@ from torch.nn import functional as F
 
 from ckptwrap import _torch_private
 from ckptwrap.wrap._offload import Offloader
-from ckptwrap.wrap._offload_saved import Saved
+from ckptwrap.wrap._offload import Saved
 from ckptwrap.wrap._offload_testing import CpuLanes, FakeStream, cpu_offloader
 
 from ._models import assert_same
