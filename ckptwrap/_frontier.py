@@ -21,14 +21,13 @@ from .planner import (
     CostItem,
     ModelProfile,
     predicted_peak,
-    profile_modules,
     region_bytes,
     smallest_reachable_peak,
     solve_budget,
     step_device,
     step_items,
 )
-from .wrap import plan
+from .wrap import plan, profile_modules
 
 __all__ = [
     "frontier",

@@ -420,8 +420,10 @@ def test_pareto_profiles_the_model_once_and_draws_what_the_table_says(capsys, mo
     # measure_inputs is where every profile on given inputs goes, whoever asks for it.
     monkeypatch.setattr(_metering, "measure_inputs", counting)
     from ckptwrap.planner import _planner
+    from ckptwrap.wrap import _planning
 
     monkeypatch.setattr(_planner, "measure_inputs", counting)
+    monkeypatch.setattr(_planning, "measure_inputs", counting)
     drawn = []
     monkeypatch.setattr(cli, "_figure_module", lambda path: object())  # no matplotlib needed
     monkeypatch.setattr(cli, "_draw", lambda figure, path, line, references, title: drawn.append(references))
@@ -444,7 +446,7 @@ def test_pareto_profiles_the_model_once_and_draws_what_the_table_says(capsys, mo
 
 def test_pareto_points_reuse_a_given_profile(monkeypatch):
     from ckptwrap import _frontier
-    from ckptwrap.planner import profile_modules
+    from ckptwrap.wrap import profile_modules
 
     model = tiny_stack().train()
     inputs = (torch.randn(2, 16),)

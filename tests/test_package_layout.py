@@ -104,9 +104,13 @@ def test_the_planner_keeps_the_names_its_users_import():
 
     for name in (
         "BudgetSolution", "Choice", "CostItem", "ModelProfile", "Plan", "PlanEntry", "ShapePlanner",
-        "format_bytes", "predicted_peak", "profile_modules", "smallest_reachable_peak", "solve_budget",
+        "format_bytes", "predicted_peak", "smallest_reachable_peak", "solve_budget",
     ):
         assert name in planner.__all__ and hasattr(planner, name), name
+    # A step measured on given inputs runs its regions through the marking layer's runner.
+    from ckptwrap import wrap
+
+    assert "profile_modules" in wrap.__all__ and hasattr(wrap, "profile_modules")
 
 
 def _is_module(target: str, name: str) -> bool:

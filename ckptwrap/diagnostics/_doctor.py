@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from .._errors import CheckpointConfigError
-from ..planner import ModelProfile, as_example, profile_modules
-from ..wrap import PLAN_ATTRIBUTE, disabled, remove_pending
+from ..planner import ModelProfile, as_example
+from ..wrap import PLAN_ATTRIBUTE, disabled, profile_modules, remove_pending
 from . import _checks
 from ._ddp import check_ddp
 from ._gradients import compare_gradients

@@ -340,6 +340,16 @@ class StorageCounter(TorchDispatchMode):
         return super().__exit__(exc_type, exc_value, traceback)
 
     @property
+    def closed(self) -> bool:
+        """Whether counting has stopped (:meth:`close`)."""
+        return self._closed
+
+    @property
+    def device_type(self) -> str:
+        """The type of the device whose storages are counted."""
+        return self._device_type
+
+    @property
     def live_bytes(self) -> int:
         """Bytes of the storages counted that are alive now."""
         with self._lock:

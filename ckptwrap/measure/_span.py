@@ -119,7 +119,7 @@ class StepSpan:
         counter = self.counter
         running = self._nodes[-1] if self._nodes else None
         pushed = (
-            not counter._closed
+            not counter.closed
             and not _on_stack(counter)
             and not (running is not None and running.inside is not None)  # it counts them
         )
@@ -161,7 +161,7 @@ class StepSpan:
         the loss is taken to have held at its highest (the gradient itself is counted
         from the node that receives it on)."""
         counter = self.counter
-        if self.closed or counter._closed:
+        if self.closed or counter.closed:
             return
         self._gradients.outside = True
         counter.moment((1 + share) * _extent(grad)[1])
@@ -184,7 +184,7 @@ class StepSpan:
 
     def _node_begins(self, index: int, grad_outputs: Sequence[Any]) -> None:
         counter = self.counter
-        if self.closed or counter._closed:
+        if self.closed or counter.closed:
             return None
         if _torch_private.dispatch_modes_active():
             # Under modes already (the engine puts its state back after the node).
@@ -202,7 +202,7 @@ class StepSpan:
             how, inside = _IN_READING, None
         elif counter.open_reading():
             how, inside = _READ, None
-        elif counter._device_type == "cpu" and index not in self._accumulators:
+        elif counter.device_type == "cpu" and index not in self._accumulators:
             how, inside = _INSIDE, _InsideNode(counter)
         else:
             how, inside = _HANDED, None
@@ -213,7 +213,7 @@ class StepSpan:
 
     def _node_ends(self, index: int, grad_inputs: Sequence[Any], grad_outputs: Sequence[Any]) -> None:
         counter = self.counter
-        if self.closed or counter._closed or not self._nodes or self._nodes[-1].index != index:
+        if self.closed or counter.closed or not self._nodes or self._nodes[-1].index != index:
             return None
         running = self._nodes.pop()
         if running.how == _UNDER_MODES:
@@ -257,7 +257,7 @@ class _InsideNode(TorchDispatchMode):
         if kwargs is None:
             kwargs = {}
         counter = self.counter
-        if counter._closed:
+        if counter.closed:
             return func(*args, **kwargs)
         if is_recomputing():
             return counter.__torch_dispatch__(func, types, args, kwargs)

@@ -12,7 +12,7 @@ around it: the profiler on given inputs (``profile_modules``), the peak model an
 
 from ._costs import ModelProfile, ModuleCost, OpCost, StepPeaks, packet_name, region_bytes
 from ._device_memory import DEVICE_MARGIN, DeviceMemory, OPTIMIZERS, OptimizerSpec, StepBudget, optimizer_spec
-from ._metering import StepRecorder, profile_modules
+from ._metering import ProgressBar, StepRecorder, measure_inputs, resolve_targets, should_show
 from ._peak_model import (
     CostItem,
     CostOption,
@@ -71,7 +71,10 @@ __all__ = [
     "packet_name",
     "pooled_times",
     "predicted_peak",
-    "profile_modules",
+    "ProgressBar",
+    "measure_inputs",
+    "resolve_targets",
+    "should_show",
     "read_layout",
     "region_bytes",
     "resolve_budget",

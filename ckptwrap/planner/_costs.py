@@ -432,6 +432,11 @@ class PhaseMeter:
         self._times.append(time.perf_counter())
         self._labels.append(label)
 
+    @property
+    def phase(self) -> int:
+        """The index of the phase in progress (0: the head, before the first cut)."""
+        return len(self._labels) - 1
+
     def adopt(self, tensor: torch.Tensor) -> None:
         """Count ``tensor``'s storage from now until it is freed, as if an operator had
         made it (a tensor made outside the dispatcher: the generator state a region keeps)."""

@@ -63,29 +63,34 @@ import math
 import sys
 import time
 import weakref
-from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional, Sequence, TextIO, Tuple
+from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, TextIO, Tuple
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from .. import _torch_private
-from .._caches import given_caches
 from .._errors import CheckpointConfigError
 from .._hf import fresh_caches
 from .._warn import note
-from ..engine import checkpoint, graph_nodes, is_recomputing, observe_saved, reaches_reentrant, saved_observer
+from ..engine import CheckpointOptions, graph_nodes, is_recomputing, observe_saved, reaches_reentrant, saved_observer
 from ..measure import SavePolicy, StorageMap, Tally, differentiable, policy_watch, tensor_storages, tensors
 from ._costs import ModelProfile, ModuleCost, OpCost, OpRecorder, PhaseMeter, Window, by_phase, merge_calls
 from ._unreal import measure_unreal, step_device, unreal
 
+RegionRunner = Callable[[nn.Module, Callable[..., Any], Tuple[Any, ...], Dict[str, Any], CheckpointOptions], Any]
+"""How the marking layer runs a module's forward as a checkpointed region:
+``run_region(module, call, args, kwargs, options)``."""
+
 __all__ = [
+    "ProgressBar",
+    "RegionRunner",
     "RecomputePrices",
     "StepRecorder",
     "dispatch_cost",
     "measure_inputs",
-    "profile_modules",
     "resolve_targets",
+    "should_show",
     "selective_cost",
 ]
 
@@ -1032,7 +1037,7 @@ class StepRecorder:
         self._guarded(self._book.gathered, module)
 
     def _grad_accumulated(self, param: torch.Tensor) -> None:
-        self._accumulated.append((len(self.phases._labels) - 1, param.nbytes))
+        self._accumulated.append((self.phases.phase, param.nbytes))
 
     def _remove_hooks(self) -> None:
         for handle in self._handles:
@@ -1078,115 +1083,13 @@ def _grown(phases: List[Any], accumulated: List[Tuple[int, int]]) -> List[Any]:
     return grown
 
 
-def profile_modules(
-    model: nn.Module,
-    names: Sequence[str],
-    args: Any = (),
-    kwargs: Optional[Mapping[str, Any]] = None,
-    *,
-    repeats: int = 1,
-    progress: Optional[bool] = None,
-    save_policy: Optional[SavePolicy] = None,
-    step: bool = False,
-    loss_fn: Optional[Callable[[Any], Any]] = None,
-    preserve_rng_state: bool = True,
-) -> ModelProfile:
-    """Measure what each named module costs in one training step of ``model`` on these
-    inputs.
-
-    One step runs, forward and backward, with every outermost candidate checkpointed:
-    the least any plan holds between forward and backward, so measuring never needs more
-    memory than the most checkpointed plan. Without ``loss_fn`` the output stays alive
-    through the backward, as in the loop people write around a model that returns its
-    loss (``out = model(**batch); out.loss.backward()``); with one, it is dropped once the
-    loss is made (``loss_fn(model(x)).backward()``). Each candidate's saved tensors are seen as
-    its region drops them (what it would keep if it were plain), its operators (bytes,
-    FLOPs, which outputs autograd saves) through a dispatch mode inside its forward, its
-    inputs and outputs as it is called, and its working set as it is recomputed. What the
-    forward saves outside the candidates is seen through saved-tensor hooks. A candidate
-    nested in another is measured inside it through forward hooks.
-
-    Bytes are counted per storage, never per tensor: a saved view keeps its whole storage,
-    and storages shared by several saved tensors (``q``, ``k``, ``v`` split from one
-    projection) count once. A module that calls itself is measured at its outermost call
-    only; one called several times gets the sum of its calls. A layer that writes a KV
-    cache (a Hugging Face decoder layer) runs without the cache, as a checkpointed call of
-    it does; a cache passed in is copied first, so the caller's is left as it was.
-
-    The model runs in its current train or eval mode (profile a training model in train
-    mode). Afterwards it is as it was: training flags, buffers (BatchNorm running
-    statistics), ``.grad`` fields and the CPU and accelerator RNG states, so the next
-    training step draws the same dropout masks as it would have without profiling.
-
-    Args:
-        model: The model to profile. Profile it unwrapped: a checkpointed module keeps
-            less than it would otherwise.
-        names: Qualified names (from ``model.named_modules()``) of the candidate modules.
-        args: Positional example inputs of ``model``'s forward (a single tensor is allowed).
-        kwargs: Keyword example inputs of ``model``'s forward.
-        repeats: ``0`` leaves every time at zero (bytes only); any other count keeps the
-            times of the step measured (its forwards and recomputations, the meter's own
-            cost per operator taken off).
-        progress: ``True`` or ``False`` to force a progress bar on standard error on or off;
-            ``None`` draws one only on a terminal and for more than about twenty candidates.
-        save_policy: A selective-checkpointing policy, as given to torch's
-            ``create_selective_checkpoint_contexts``: the candidates then run as selective
-            checkpoints of them would (``policy_saved_bytes``, ``policy_saved_kept_bytes``,
-            ``recompute_time``).
-        step: Keep the step's memory phase by phase
-            (:class:`~ckptwrap.planner.StepPeaks`) in the profile, for predicting the
-            whole step's peak under any plan.
-        loss_fn: ``loss_fn(output)`` is the loss the step backpropagates from; by default
-            the output itself if it is a scalar, its ``loss`` if it has one, else every
-            floating-point output with gradients of ones (see above for how long the
-            output lives).
-        preserve_rng_state: The engine option the step's checkpoints run with (on the CPU
-            each keeps the generator's state).
-
-    Returns:
-        A :class:`ModelProfile` with one :class:`ModuleCost` per name, in model order.
-
-    Raises:
-        CheckpointConfigError: If a name is not in ``model.named_modules()``, ``names`` is a
-            single string or holds something else than strings, or ``repeats`` is not a
-            non-negative integer.
-
-    Example:
-        >>> profile = profile_modules(model, ["layers.0", "layers.1"], (tokens,))
-        >>> profile["layers.0"].kept_bytes, profile.total_activation_bytes
-    """
-    if not isinstance(model, nn.Module):
-        raise CheckpointConfigError(
-            f"profile_modules needs an nn.Module, got {type(model).__name__}"
-        )
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 0:
-        raise CheckpointConfigError(f"repeats must be an integer >= 0, got {repeats!r}")
-    if save_policy is not None and not callable(save_policy):
-        raise CheckpointConfigError(
-            f"save_policy must be a callable policy(ctx, op, *args, **kwargs), got "
-            f"{type(save_policy).__name__}"
-        )
-    targets = resolve_targets(model, names)
-    args = (args,) if isinstance(args, torch.Tensor) else tuple(args)
-    bar = ProgressBar(
-        2 * len(targets), label="profiling", enabled=should_show(progress, len(targets))
-    )
-    try:
-        profile = measure_inputs(
-            model, targets, args, dict(kwargs or {}), loss_fn=loss_fn, save_policy=save_policy,
-            preserve_rng_state=preserve_rng_state, timed=repeats > 0, bar=bar, train=False,
-        )
-    finally:
-        bar.close()
-    return profile if step else dataclasses.replace(profile, step=None)
-
-
 def measure_inputs(
     model: nn.Module,
     targets: Sequence[Tuple[str, nn.Module]],
     args: Tuple[Any, ...],
     kwargs: Dict[str, Any],
     *,
+    run_region: RegionRunner,
     loss_fn: Optional[Callable[[Any], Any]] = None,
     save_policy: Optional[SavePolicy] = None,
     preserve_rng_state: bool = True,
@@ -1196,8 +1099,11 @@ def measure_inputs(
     rates: Any = None,
     fake: bool = False,
 ) -> ModelProfile:
-    """One step on given inputs, measured (see :func:`profile_modules`); the model is left
-    as it was. With ``train``, a model in eval mode is measured in train mode (dropout
+    """One step on given inputs, measured (see ``wrap``'s ``profile_modules``); the model
+    is left as it was. Every outermost candidate runs as a checkpointed region through
+    ``run_region(module, call, args, kwargs, options)``, the marking layer's runner, so a
+    measured region runs as a plan's does (statistics kept, buffers replayed, caches
+    copied), told to the recorder. With ``train``, a model in eval mode is measured in train mode (dropout
     on), as it will train. A model on the meta device or made of fake tensors, or any
     with ``fake``, runs on fake tensors, its times priced at ``rates`` (``_unreal``).
 
@@ -1207,6 +1113,7 @@ def measure_inputs(
     """
     options = dict(
         loss_fn=loss_fn, save_policy=save_policy, preserve_rng_state=preserve_rng_state, bar=bar, train=train,
+        run_region=run_region,
     )
     why = unreal(model, args, kwargs) or ("planned on fake tensors, as asked" if fake else None)
     if why is not None:
@@ -1228,6 +1135,7 @@ def _measure(
     timed: bool,
     bar: Optional[ProgressBar],
     train: bool,
+    run_region: RegionRunner,
 ) -> ModelProfile:
     device = step_device(model, args, kwargs)
     recorder = StepRecorder(model, targets, device, save_policy=save_policy, timed=timed, bar=bar)
@@ -1236,13 +1144,14 @@ def _measure(
     context_fn = None
     if save_policy is not None:
         context_fn = functools.partial(create_selective_checkpoint_contexts, save_policy)
+    options = CheckpointOptions(preserve_rng_state=preserve_rng_state, context_fn=context_fn)
     originals: List[Tuple[nn.Module, Any]] = []
     try:
         if train and not model.training:
             model.train()
         for _, module in recorder.outermost:
             originals.append((module, module.__dict__.get("forward")))
-            module.forward = _Region(recorder, module, context_fn, preserve_rng_state)
+            module.forward = _Region(recorder, module, options, run_region)
         with _generators_kept(device), _collector_held():
             call_args, call_kwargs = fresh_caches(args, kwargs)
             torch.set_grad_enabled(True)
@@ -1303,31 +1212,23 @@ def _measure(
 
 class _Region:
     """An outermost candidate's forward while a step on given inputs is measured: a
-    checkpointed region, as a plan's regions run, that tells the recorder what it does."""
+    checkpointed region run by the marking layer's runner, as a plan's regions run, that
+    tells the recorder what it does."""
 
     copies_caches = True
     """It runs on copies of the caches it is given, as a checkpointed forward does
     (``wrap``'s ``CacheWritesOff`` leaves it to them)."""
 
-    def __init__(self, recorder: StepRecorder, module: nn.Module, context_fn: Any, preserve_rng_state: bool) -> None:
-        self.recorder, self.module = recorder, module
+    def __init__(self, recorder: StepRecorder, module: nn.Module, options: CheckpointOptions, run_region: RegionRunner) -> None:
+        self.recorder, self.module, self.options, self.run_region = recorder, module, options, run_region
         self.previous = module.__dict__.get("forward")
-        self.context_fn, self.preserve_rng_state = context_fn, preserve_rng_state
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        module = self.module
+        module, options = self.module, self.options
         call = self.previous or functools.partial(type(module).forward, module)
-        caches = given_caches(args, kwargs, training=module.training)
-        if caches is not None:
-            args, kwargs = caches.arguments(args, kwargs)
-
-        def run(fn: Callable[..., Any]) -> Any:
-            return checkpoint(
-                fn if caches is None else caches.around(fn, module), *args, context_fn=self.context_fn,
-                preserve_rng_state=self.preserve_rng_state, **kwargs,
-            )
-
-        return self.recorder.region(module, call, args, kwargs, run)
+        return self.recorder.region(
+            module, call, args, kwargs, lambda watched: self.run_region(module, watched, args, kwargs, options)
+        )
 
 
 def _loss(output: Any) -> Tuple[List[torch.Tensor], List[Optional[torch.Tensor]]]:

@@ -834,7 +834,7 @@ class ShapePlanner:
                 with measuring(), (around() if around is not None else contextlib.nullcontext()):
                     profile = measure_inputs(
                         model, resolve_targets(model, settings.names), args, kwargs,
-                        loss_fn=settings.loss_fn, save_policy=settings.save_policy,
+                        run_region=settings.run_region, loss_fn=settings.loss_fn, save_policy=settings.save_policy,
                         preserve_rng_state=settings.preserve_rng_state, rates=settings.rates,
                         fake=settings.fake,
                     )

@@ -983,6 +983,9 @@ class PlanSettings:
 
     candidates: Tuple[Tuple[str, str], ...]
     """``(qualified name, class name)`` of each candidate, in model order."""
+    run_region: Callable[..., Any]
+    """How the marking layer runs a checkpointed region (``RegionRunner``): a step
+    measured on given inputs runs its regions as a plan's run."""
     budget: Optional[Budget] = None
     """The budget term; None predicts the plan that checkpoints every candidate."""
     save_policy: Optional[Callable[..., Any]] = None

@@ -4,7 +4,7 @@
 from ._decorator import checkpointed
 from ._forwards import markings_of
 from ._model import PLAN_ATTRIBUTE, remove_pending, unwrap_model, wrap_model
-from ._planning import plan, plan_and_profile
+from ._planning import plan, plan_and_profile, profile_modules
 from ..engine import CheckpointOptions
 from ..planner import Plan, PlanEntry
 from ._switch import disabled
@@ -21,6 +21,7 @@ __all__ = [
     "markings_of",
     "plan",
     "plan_and_profile",
+    "profile_modules",
     "remove_pending",
     "unwrap_model",
     "wrap_model",

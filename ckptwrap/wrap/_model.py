@@ -155,7 +155,7 @@ def _wrap(
     applied = measured(unmeasured, planner.choose(model, args, kwargs, strict=True))
     remove_pending(model)
     apply_plan(model, applied)
-    hook.applied, hook._solved = applied, True
+    hook.applied, hook.solved = applied, True
     _register(model, hook)
     return model
 

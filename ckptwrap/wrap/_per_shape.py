@@ -175,7 +175,7 @@ class PlanPerShape:
         self._observed = False  # whether the marks applied tell a recorder what they do
         self._step: Optional[FollowedStep] = None  # the step followed now
         self._failed = False
-        self._solved = False  # whether a plan solved from costs was applied
+        self.solved = False  # whether a plan solved from costs was applied
         self._overlapping = False  # a forward began while another's backward was pending
         self.handle: Any = None  # its registration on the model (a RemovableHandle)
         self.unfollowed = False  # whether a step's output was found to hold nothing to follow
@@ -200,7 +200,7 @@ class PlanPerShape:
         if is_measuring():
             return None  # the planner's own run of the model
         self.check_inputs(model, args, kwargs)
-        if self.follow_shapes is False and self.applied is not None and self._solved:
+        if self.follow_shapes is False and self.applied is not None and self.solved:
             return None
         try:
             self.step(model, args, kwargs)
@@ -246,7 +246,7 @@ class PlanPerShape:
             self._apply(model, self._least_memory(), decision)
         else:
             self._apply(model, measured(self.unmeasured, decision.choice, decision.source), decision)
-            self._solved = True
+            self.solved = True
             if decision.check and not self._overlapping:
                 meter = SpanPeak(device, reset=decision.reset).start()
         # Followed to the end even unmetered: a forward that comes before its backward
@@ -367,7 +367,7 @@ class PlanPerShape:
         new = measured(self.unmeasured, choice)
         decision = Decision(None, (), measure=False, choice=choice)
         self._apply(model, new, decision)
-        self._solved = True
+        self.solved = True
 
 
 class StepEnd:

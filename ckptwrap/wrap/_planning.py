@@ -28,27 +28,34 @@ from ..policy import (
     overlaps,
     split_modifiers,
 )
+from ..measure import SavePolicy
 from ..planner import (
     Choice,
     ModelProfile,
     Plan,
     PlanEntry,
     PlanSettings,
+    ProgressBar,
     ShapePlanner,
     OptimizerSpec,
     as_example,
     device_rates,
+    measure_inputs,
     optimizer_spec,
+    resolve_targets,
+    should_show,
 )
 from ._code_checkpoints import checkpointed_by_code, say_left_to_code
 from ._max_shapes import check_max_shapes
 from ._forwards import marking
+from ._region import run_measured_region
 from ..engine import CheckpointOptions, options_from
 from ._selective import SelectiveContexts
 from ._wrapper import refuse_torchscript
 
 __all__ = [
-    "measured", "plan", "plan_and_profile", "refuse_inference", "resolve_policy", "select", "shape_planner",
+    "measured", "plan", "plan_and_profile", "profile_modules", "refuse_inference", "resolve_policy", "select",
+    "shape_planner",
 ]
 
 
@@ -220,6 +227,7 @@ def shape_planner(
     context_fn = options.context_fn
     settings = PlanSettings(
         candidates=tuple((entry.name, entry.kind) for entry in unmeasured.selected),
+        run_region=run_measured_region,
         budget=budget,
         save_policy=context_fn.args[0] if isinstance(context_fn, SelectiveContexts) else None,
         # Segments run on the non-re-entrant engine only.
@@ -234,6 +242,110 @@ def shape_planner(
         accumulation=accumulation,
     )
     return ShapePlanner(settings, max_shapes=dict(max_shapes) if max_shapes else None)
+
+
+def profile_modules(
+    model: nn.Module,
+    names: Sequence[str],
+    args: Any = (),
+    kwargs: Optional[Mapping[str, Any]] = None,
+    *,
+    repeats: int = 1,
+    progress: Optional[bool] = None,
+    save_policy: Optional[SavePolicy] = None,
+    step: bool = False,
+    loss_fn: Optional[Callable[[Any], Any]] = None,
+    preserve_rng_state: bool = True,
+) -> ModelProfile:
+    """Measure what each named module costs in one training step of ``model`` on these
+    inputs.
+
+    One step runs, forward and backward, with every outermost candidate checkpointed (a
+    region run as a plan's regions run, statistics kept and buffers replayed): the least
+    any plan holds between forward and backward, so measuring never needs more
+    memory than the most checkpointed plan. Without ``loss_fn`` the output stays alive
+    through the backward, as in the loop people write around a model that returns its
+    loss (``out = model(**batch); out.loss.backward()``); with one, it is dropped once the
+    loss is made (``loss_fn(model(x)).backward()``). Each candidate's saved tensors are seen as
+    its region drops them (what it would keep if it were plain), its operators (bytes,
+    FLOPs, which outputs autograd saves) through a dispatch mode inside its forward, its
+    inputs and outputs as it is called, and its working set as it is recomputed. What the
+    forward saves outside the candidates is seen through saved-tensor hooks. A candidate
+    nested in another is measured inside it through forward hooks.
+
+    Bytes are counted per storage, never per tensor: a saved view keeps its whole storage,
+    and storages shared by several saved tensors (``q``, ``k``, ``v`` split from one
+    projection) count once. A module that calls itself is measured at its outermost call
+    only; one called several times gets the sum of its calls. A layer that writes a KV
+    cache (a Hugging Face decoder layer) runs without the cache, as a checkpointed call of
+    it does; a cache passed in is copied first, so the caller's is left as it was.
+
+    The model runs in its current train or eval mode (profile a training model in train
+    mode). Afterwards it is as it was: training flags, buffers (BatchNorm running
+    statistics), ``.grad`` fields and the CPU and accelerator RNG states, so the next
+    training step draws the same dropout masks as it would have without profiling.
+
+    Args:
+        model: The model to profile. Profile it unwrapped: a checkpointed module keeps
+            less than it would otherwise.
+        names: Qualified names (from ``model.named_modules()``) of the candidate modules.
+        args: Positional example inputs of ``model``'s forward (a single tensor is allowed).
+        kwargs: Keyword example inputs of ``model``'s forward.
+        repeats: ``0`` leaves every time at zero (bytes only); any other count keeps the
+            times of the step measured (its forwards and recomputations, the meter's own
+            cost per operator taken off).
+        progress: ``True`` or ``False`` to force a progress bar on standard error on or off;
+            ``None`` draws one only on a terminal and for more than about twenty candidates.
+        save_policy: A selective-checkpointing policy, as given to torch's
+            ``create_selective_checkpoint_contexts``: the candidates then run as selective
+            checkpoints of them would (``policy_saved_bytes``, ``policy_saved_kept_bytes``,
+            ``recompute_time``).
+        step: Keep the step's memory phase by phase
+            (``planner.StepPeaks``) in the profile, for predicting the
+            whole step's peak under any plan.
+        loss_fn: ``loss_fn(output)`` is the loss the step backpropagates from; by default
+            the output itself if it is a scalar, its ``loss`` if it has one, else every
+            floating-point output with gradients of ones (see above for how long the
+            output lives).
+        preserve_rng_state: The engine option the step's checkpoints run with (on the CPU
+            each keeps the generator's state).
+
+    Returns:
+        A :class:`ModelProfile` with one :class:`ModuleCost` per name, in model order.
+
+    Raises:
+        CheckpointConfigError: If a name is not in ``model.named_modules()``, ``names`` is a
+            single string or holds something else than strings, or ``repeats`` is not a
+            non-negative integer.
+
+    Example:
+        >>> profile = profile_modules(model, ["layers.0", "layers.1"], (tokens,))
+        >>> profile["layers.0"].kept_bytes, profile.total_activation_bytes
+    """
+    if not isinstance(model, nn.Module):
+        raise CheckpointConfigError(
+            f"profile_modules needs an nn.Module, got {type(model).__name__}"
+        )
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 0:
+        raise CheckpointConfigError(f"repeats must be an integer >= 0, got {repeats!r}")
+    if save_policy is not None and not callable(save_policy):
+        raise CheckpointConfigError(
+            f"save_policy must be a callable policy(ctx, op, *args, **kwargs), got "
+            f"{type(save_policy).__name__}"
+        )
+    targets = resolve_targets(model, names)
+    args = (args,) if isinstance(args, torch.Tensor) else tuple(args)
+    bar = ProgressBar(
+        2 * len(targets), label="profiling", enabled=should_show(progress, len(targets))
+    )
+    try:
+        profile = measure_inputs(
+            model, targets, args, dict(kwargs or {}), run_region=run_measured_region, loss_fn=loss_fn, save_policy=save_policy,
+            preserve_rng_state=preserve_rng_state, timed=repeats > 0, bar=bar, train=False,
+        )
+    finally:
+        bar.close()
+    return profile if step else dataclasses.replace(profile, step=None)
 
 
 def measured(unmeasured: Plan, choice: Choice, costs_from: str = "measured") -> Plan:

@@ -42,6 +42,7 @@ __all__ = [
     "region_switched_off",
     "RngSnapshot",
     "run_offloaded",
+    "run_measured_region",
     "run_region",
     "run_segment",
 ]
@@ -68,6 +69,23 @@ def run_region(
     compiling = torch.compiler.is_compiling()
     if _switched_off(compiling):
         return call(*args, **kwargs)
+    return _checkpointed(owner, call, args, kwargs, options, compiling)
+
+
+def run_measured_region(
+    owner: torch.nn.Module, call: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
+    options: CheckpointOptions,
+) -> Any:
+    """:func:`run_region` for a region of a step the planner measures: checkpointed even
+    where ckptwrap's regions are switched off (:func:`ckptwrap.disabled`), as the region
+    is the planner's, not one of the model's marks."""
+    return _checkpointed(owner, call, args, kwargs, options, torch.compiler.is_compiling())
+
+
+def _checkpointed(
+    owner: Any, call: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
+    options: CheckpointOptions, compiling: bool,
+) -> Any:
     if options.use_reentrant and not compiling:
         check_reentrant_region(owner)
     if isinstance(owner, torch.nn.Module) and not compiling:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from ckptwrap.planner import profile_modules
+from ckptwrap.wrap import profile_modules
 
 RUNS = 12
 

@@ -136,3 +136,41 @@ def test_magvit_trains_bit_exact_under_blocks():
         grads.append({name: p.grad for name, p in model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys()
     assert all(torch.equal(grads[0][k], grads[1][k]) for k in grads[0])
+
+
+
+class FirstFrameApart(nn.Module):
+    """Causal convolutions over Magvit's chunks: the first frame alone, then chunks of four,
+    so that the frames the first chunk leaves for the second are fewer than any later
+    chunk leaves, and the second chunk's output is shorter than the others'."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(CausalConv() for _ in range(2))
+
+    def forward(self, video: torch.Tensor, chunk: int = 4) -> torch.Tensor:
+        for block in self.blocks:
+            block.prev_features = None
+        outputs = []
+        for start, stop in [(0, 1), *((s, s + chunk) for s in range(1, video.shape[2], chunk))]:
+            x = video[:, :, start:stop]
+            for block in self.blocks:
+                x = block(x)
+            outputs.append(x)
+        return torch.cat(outputs, dim=2)
+
+
+@pytest.mark.parametrize("policy", ["blocks", "budget:98%"])
+def test_a_step_measured_on_given_inputs_replays_the_attributes_as_training_does(policy):
+    # The planner's measured step runs its regions as the plan's run: without the replay
+    # its recomputation of the second chunk padded with the last chunk's frames, and was
+    # refused for giving another shape than the forward.
+    torch.manual_seed(0)
+    plain = FirstFrameApart()
+    video = torch.randn(2, 4, 9, 8, 8, generator=torch.Generator().manual_seed(0))
+    ours = ckptwrap.wrap_model(copy.deepcopy(plain), policy, example_inputs=(video,))
+    assert ours.ckptwrap_plan.predicted_peak is not None
+    for model in (plain, ours):
+        model(video).square().mean().backward()
+    for (name, a), b in zip(ours.named_parameters(), plain.parameters()):
+        assert torch.equal(a.grad, b.grad), name

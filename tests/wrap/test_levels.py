@@ -25,7 +25,8 @@ import ckptwrap.planner._metering as calls
 import ckptwrap.planner._planner as choosing
 import ckptwrap.planner._peak_model as costs
 from ckptwrap import plan, unwrap_model, wrap_model
-from ckptwrap.planner import ShapePlanner, profile_modules
+from ckptwrap.planner import ShapePlanner
+from ckptwrap.wrap import profile_modules
 from ckptwrap.planner._peak_model import CostItem, predicted_peak
 from ckptwrap.planner._peak_model import MAX_LEVELS, selective_levels
 from ckptwrap.planner._costs import OpCost

@@ -114,6 +114,9 @@ def measured(monkeypatch) -> List[Tuple[str, int]]:
     import ckptwrap.planner._planner as planner_module
 
     monkeypatch.setattr(planner_module, "measure_inputs", inputs)
+    import ckptwrap.wrap._planning as planning_module
+
+    monkeypatch.setattr(planning_module, "measure_inputs", inputs)
     return found
 
 
