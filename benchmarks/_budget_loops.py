@@ -220,7 +220,7 @@ def memory_pass(
                 if peaks[1] <= 0:
                     raise RuntimeError("the allocator's events showed nothing allocated in a plain training step")
                 largest = max(largest, peaks[1])
-                followed = hook._step
+                followed = hook.current
                 solved = followed is not None and not followed.decision.measure and followed.decision.choice is not None
                 if solved and micro == 0:  # from fresh gradients, as plans are made for
                     missed = (peaks[0] - followed.decision.choice.predicted_peak) / max(largest, 1)

@@ -125,7 +125,7 @@ def dynamic_padding(args: argparse.Namespace, sizes: Dict[str, int], device: tor
             optimizers[name].step()
             row[name] = reading
         largest_plain = max(largest_plain, row["none"]["peak"])
-        followed = hook._step
+        followed = hook.current
         decision = followed.decision if followed is not None else None
         row["measured"] = bool(decision is not None and decision.measure)
         choice = decision.choice if decision is not None else None

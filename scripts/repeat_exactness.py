@@ -46,7 +46,7 @@ def _differing(model: nn.Module, plain: nn.Module) -> List[Tuple[str, float]]:
 
 
 def _decision(hook: Any) -> str:
-    step = hook._step
+    step = hook.current
     if step is None:
         return "-"
     decision = step.decision

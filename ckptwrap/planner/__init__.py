@@ -23,7 +23,7 @@ from ._peak_model import (
     with_step_terms,
 )
 from ._plan import Plan, PlanEntry
-from ._planner import Choice, Decision, ShapePlanner, step_items
+from ._planner import Choice, Decision, PlannedStep, ShapePlanner, step_items
 from ._shapes import InputLayout, PlanSettings, as_example, is_measuring, read_layout
 from ._solver import (
     BudgetSolution,
@@ -50,6 +50,7 @@ __all__ = [
     "Plan",
     "PlanEntry",
     "PlanSettings",
+    "PlannedStep",
     "ShapePlanner",
     "StepPeaks",
     "StepRecorder",

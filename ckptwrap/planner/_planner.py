@@ -1,5 +1,6 @@
 """The planner's decisions: for each training forward, what it runs under (a plan solved
-for its shape, found among those solved, or the plan of least memory measured), the
+for its shape, found among those solved, or the plan of least memory measured) and the
+step that follows it to its end (``PlannedStep``, whose docstring lists its states), the
 budget in bytes at each shape, and which solved steps are checked.
 
 The planner of one model and policy: what to do at each training forward, learned from
@@ -9,10 +10,10 @@ Each training forward is a :class:`Decision`. Where the costs at its shape are k
 step measured at that shape, a trusted fit that stands for it, or a bound from a shape
 measured, ``LayoutCosts``), it is a solve: the plan of least recompute time whose
 predicted peak fits the budget, less the margin the closed loop added, and some of those
-steps are checked against their prediction (:meth:`ShapePlanner.checked`). Where they
+steps are checked against their prediction (``PlannedStep.end``). Where they
 are not, or a bound puts every plan over the budget, or learning may spend the time
 (``CheckSchedule``), the step runs under the plan of least memory (every candidate
-checkpointed) and is measured as it runs (:meth:`ShapePlanner.learned`). Example inputs
+checkpointed) and is measured as it runs (``PlannedStep.end``). Example inputs
 are real inputs too: :meth:`choose` measures one step on them at once.
 
 A budget in bytes is the same at every shape. ``budget:NN%`` is NN% of the predicted
@@ -75,16 +76,20 @@ import dataclasses
 import functools
 import math
 import pickle
+import time
+import weakref
 from typing import Any, Callable, ContextManager, Dict, List, NamedTuple, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
 
+from .. import _torch_private
 from .._errors import CheckpointConfigError
 from .._warn import note, warn
+from ..measure import SpanPeak, tensors
 from ._costs import ModelProfile, region_bytes
 from ._device_memory import DeviceMemory, DeviceTerms
-from ._metering import dispatch_cost, measure_inputs, resolve_targets, selective_cost
+from ._metering import StepRecorder, dispatch_cost, measure_inputs, resolve_targets, selective_cost
 from ._peak_model import CostItem, Level, forward_levels, predicted_peak, saving, with_step_terms
 from ._plan import BOUNDS, PlanEntry
 from ._shapes import LayoutCosts, Layouts, PlanSettings, measuring
@@ -94,6 +99,7 @@ from ._unreal import outside_fake, step_device
 __all__ = [
     "Choice",
     "Decision",
+    "PlannedStep",
     "ShapePlanner",
     "step_items",
 ]
@@ -642,6 +648,37 @@ class ShapePlanner:
 
     # ------------------------------------------------------------------ training steps
 
+    def begin(
+        self,
+        model: nn.Module,
+        args: Tuple[Any, ...],
+        kwargs: Dict[str, Any],
+        *,
+        device: torch.device,
+        fresh: Callable[[], bool] = lambda: True,
+        overlapping: bool = False,
+        on_measured: Optional[Callable[[ModelProfile, Optional[int], int], None]] = None,
+    ) -> "PlannedStep":
+        """A training forward on these inputs begins: what it runs under (:meth:`decide`)
+        and what follows it, as a :class:`PlannedStep` to mark by and then start. A
+        forward that began while another's backward was pending (``overlapping``: that
+        step's graph may still hold its activations) is neither measured nor checked.
+        ``on_measured(profile, budget, plain_peak)`` is told what a measured step gave, at
+        its end, with the budget in bytes and the un-checkpointed peak at its shape."""
+        decision = self.decide(model, args, kwargs, device=device, fresh=fresh)
+        if decision.measure and overlapping:
+            decision = dataclasses.replace(decision, measure=False)
+        recorder = meter = None
+        if decision.measure:
+            modules = dict(model.named_modules())
+            targets = [(name, modules[name]) for name in self.settings.names if name in modules]
+            recorder = StepRecorder(
+                model, targets, device, save_policy=self.settings.save_policy, watch_base=self.watch_base,
+            )
+        elif decision.choice is not None and decision.check and not overlapping:
+            meter = SpanPeak(device, reset=decision.reset)
+        return PlannedStep(model, self, decision, recorder, meter, on_measured)
+
     def decide(
         self,
         model: nn.Module,
@@ -703,7 +740,7 @@ class ShapePlanner:
             region=region, margin=costs.margin, metered=check and not cheap,
         )
 
-    def learned(self, decision: Decision, profile: Optional[ModelProfile], failure: Optional[str] = None) -> None:
+    def _step_measured(self, decision: Decision, profile: Optional[ModelProfile], failure: Optional[str] = None) -> None:
         """The step of a measuring ``decision`` has ended, with this profile (None: the
         recording failed, ``failure`` says why); taken in before the next plan."""
         self._learned.append((decision, profile, failure))
@@ -739,20 +776,20 @@ class ShapePlanner:
             f"memory): {said}."
         )
 
-    def measured_plan(self, decision: Decision, profile: ModelProfile) -> Tuple[Optional[int], int]:
+    def _measured_plan(self, decision: Decision, profile: ModelProfile) -> Tuple[Optional[int], int]:
         """The budget and the un-checkpointed peak at the shape of a measured step."""
         costs = decision.costs
         assert costs is not None
         plain = plain_peak(profile, self.settings.names, region_bytes=decision.region)
         return self.reading.at(plain, costs), plain
 
-    def say_measured(self, decision: Decision, profile: Optional[ModelProfile], model: nn.Module) -> None:
+    def _step_said(self, decision: Decision, profile: Optional[ModelProfile], model: nn.Module) -> None:
         """A measured step (under the plan of least memory) that peaked above the budget
         at its shape: said at its end, as a solved step out of reach is said."""
         costs = decision.costs
         if costs is None or profile is None or profile.step is None or self.settings.budget is None:
             return
-        budget, _ = self.measured_plan(decision, profile)
+        budget, _ = self._measured_plan(decision, profile)
         key = (id(costs), decision.sizes)
         if budget is None or profile.step.total <= budget or self._said == key:
             return
@@ -765,18 +802,18 @@ class ShapePlanner:
             repeat=True,
         )
 
-    def timed(self, decision: Decision, seconds: float) -> None:
+    def _step_timed(self, decision: Decision, seconds: float) -> None:
         """The step of ``decision`` took ``seconds``, forward to end of backward."""
         if decision.measure:
             decision.seconds = seconds  # told with the profile (its size), when taken in
         elif decision.choice is not None:
             self._schedule.timed(seconds, checked=decision.metered, size=math.prod(decision.sizes))
 
-    def abandoned(self, decision: Decision) -> None:
+    def _step_abandoned(self, decision: Decision) -> None:
         """A measuring step ended without a backward."""
         self.watch_base = False
 
-    def checked(self, decision: Decision, peak: int, exact: bool = True) -> None:
+    def _step_checked(self, decision: Decision, peak: int, exact: bool = True) -> None:
         """The step of ``decision`` peaked at ``peak`` bytes (its meter's reading; an upper
         bound of it where not ``exact``)."""
         choice, costs = decision.choice, decision.costs
@@ -947,3 +984,120 @@ class ShapePlanner:
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
+
+
+class PlannedStep:
+    """One training step of a lazy budget, from its forward's pre-hook to the end of its
+    backward: what the planner decided for it and what meters it.
+
+    Its states, in order: *decided* (made by :meth:`ShapePlanner.begin`; the marking
+    layer marks the model by its ``decision``, with its ``recorder`` as the regions'
+    observer on a measured step), *running* (:meth:`start`: its recorder or meter
+    counts), *forwarded* (:meth:`forward_done`: the output's tensors that require grad
+    are watched for the backward to reach them), then *ended* (:meth:`end`, queued on
+    autograd's engine once the backward reaches an output: the planner takes the step's
+    time, and what it measured or how it peaked) or *abandoned* (:meth:`abandon`: no
+    backward came before the next training forward, or the forward raised; nothing is
+    learned from it). ``end`` and ``abandon`` happen once, whichever comes first.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        planner: ShapePlanner,
+        decision: Decision,
+        recorder: Optional[StepRecorder] = None,
+        meter: Optional[SpanPeak] = None,
+        on_measured: Optional[Callable[[ModelProfile, Optional[int], int], None]] = None,
+    ) -> None:
+        self.model = weakref.ref(model)
+        self.planner, self.decision = planner, decision
+        self.recorder, self.meter = recorder, meter
+        self.on_measured = on_measured
+        self.started = time.perf_counter()
+        self.forwarded = False
+        self.queued = False
+        self.ended = False
+        self.learned: Optional[ModelProfile] = None
+        """The profile a measured step gave, once it has ended."""
+
+    def start(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
+        """The marks are set: start counting (the recorder of a measured step, the meter of
+        a checked one)."""
+        if self.recorder is not None:
+            self.recorder.begin(args, kwargs)
+        elif self.meter is not None:
+            self.meter.start()
+
+    def forward_done(self, output: Any) -> bool:
+        """The forward returned: carry the meter into the backward from the output.
+        False if the output holds nothing to follow the backward from (the step is then
+        abandoned)."""
+        self.forwarded = True
+        roots = [t for t in tensors(output) if t.requires_grad]
+        if self.recorder is not None:
+            self.recorder.forward_done(output)
+        elif self.meter is not None:
+            self.meter.leave(roots)
+        if not roots or _torch_private.queue_callback is None:
+            self.abandon("the forward gave nothing to backpropagate")
+            return False
+        reached = functools.partial(_reached, weakref.ref(self))
+        for tensor in roots:
+            tensor.register_hook(functools.partial(reached, tensor.numel() == 1))
+        return True
+
+    def reached(self, scalar: bool, grad: Any) -> None:
+        """The backward reached an output of the step: have it tell the step when it
+        ends. Reached first at an output other than a scalar, the loss was made outside
+        the model, where no meter counted it: the meter takes it in from here."""
+        if self.queued or self.ended:
+            return
+        self.queued = True
+        if not scalar and isinstance(grad, torch.Tensor):
+            if self.recorder is not None:
+                self.recorder.phases.loss_outside(grad)
+            elif self.meter is not None and self.meter.span is not None:
+                self.meter.span.loss_outside(grad)
+        _torch_private.queue_callback(self.end)  # type: ignore[misc]
+
+    def end(self) -> None:
+        """The backward has ended (called by autograd's engine): hand the planner what
+        was measured. Never raises into the backward."""
+        if self.ended:
+            return
+        self.ended = True
+        planner, decision = self.planner, self.decision
+        try:
+            planner._step_timed(decision, time.perf_counter() - self.started)
+            if self.recorder is not None:
+                self.learned = self.recorder.finish()
+                planner._step_measured(decision, self.learned, self.recorder.failed)
+                if self.learned is not None and self.on_measured is not None:
+                    self.on_measured(self.learned, *planner._measured_plan(decision, self.learned))
+                model = self.model()
+                if model is not None:
+                    planner._step_said(decision, self.learned, model)
+            elif self.meter is not None:
+                peak = self.meter.stop()
+                planner._step_checked(decision, peak, self.meter.exact)
+        except Exception as error:  # noqa: BLE001 - the caller's backward must go on
+            note(f"ckptwrap could not take in a step it followed: {type(error).__name__}: {error}")
+
+    def abandon(self, why: str) -> None:
+        """The step ends without a backward: nothing is learned from it."""
+        if self.ended:
+            return
+        self.ended = True
+        if self.recorder is not None:
+            self.recorder.abandon(why)
+            self.planner._step_abandoned(self.decision)
+        elif self.meter is not None:
+            self.meter.stop()
+
+
+def _reached(step_ref: "weakref.ref[PlannedStep]", scalar: bool, grad: Any) -> None:
+    step = step_ref()
+    if step is not None:
+        step.reached(scalar, grad)
+    return None

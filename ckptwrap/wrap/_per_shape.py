@@ -1,24 +1,17 @@
 """The marking side of a ``budget:`` policy: the hooks of a wrapped model that plan each
-training forward, and the step they follow from its forward to the end of its backward.
+training forward and follow its step to the end of its backward.
 
-The hooks of a model wrapped with a ``budget:`` policy: before each training forward
-they ask the planner what to run (the plan solved for that shape, or the plan of least
-memory with the step measured), switch the marks, and follow the step until its
-backward ends, to hand the planner what it measured.
-
-A step is followed (``FollowedStep``) from the forward's pre-hook, through whatever the
-caller does with the output (a loss, outputs kept alive), to the end of the backward,
-found by a hook on the outputs that queues a callback on autograd's engine. Its meter (a dispatch mode) is
+Before each training forward the pre-hook asks the planner what to run
+(``ShapePlanner.begin``: the plan solved for that shape, or the plan of least memory
+with the step measured), switches the marks by the answer (a ``planner.PlannedStep``),
+and starts the step; the forward hook hands it the output, whose tensors it watches for
+the backward to reach them; the end of the backward is queued on autograd's engine, and
+the step hands the planner what it measured there. The step's meter (a dispatch mode) is
 on the caller's mode stack during the forward alone and goes through the backward node
 by node (``measure.StepSpan``): nothing of ckptwrap's stays on any stack between steps.
 
 Switching marks only between forwards is safe for a backward still pending: each
 forward captured the function and options it ran with, and its recomputation uses those.
-
-One training step of a model under a ``budget:`` policy, followed from its forward's
-pre-hook to the end of its backward: the end is found by a hook on the outputs that
-queues a callback on autograd's engine, and the step's timing, measurement or check is
-handed to the planner there.
 """
 
 from __future__ import annotations
@@ -26,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import time
 import weakref
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
@@ -34,12 +26,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import _torch_private
 from .._compiling import outside_graph
 from .._errors import CheckpointConfigError
 from .._warn import note, warn
-from ..measure import SpanPeak, tensors
-from ..planner import Decision, Plan, PlanEntry, ShapePlanner, StepRecorder, is_measuring, step_device, unreal
+from ..planner import Decision, Plan, PlanEntry, PlannedStep, ShapePlanner, is_measuring, step_device, unreal
 from ._clients import cache_writes_on
 from ._marks import PLAN_ATTRIBUTE, apply_plan, mark, named, record_plan, unmark
 from ._max_shapes import unreceived
@@ -50,110 +40,6 @@ __all__ = [
     "StepEnd",
     "remove_pending",
 ]
-
-
-class FollowedStep:
-    """One training step followed from its forward's pre-hook to the end of its backward."""
-
-    def __init__(
-        self,
-        model: nn.Module,
-        planner: ShapePlanner,
-        decision: Decision,
-        recorder: Optional[StepRecorder] = None,
-        meter: Optional[SpanPeak] = None,
-    ) -> None:
-        self.model = weakref.ref(model)
-        self.planner, self.decision = planner, decision
-        self.recorder, self.meter = recorder, meter
-        self.forward_done_ = False
-        self.started = time.perf_counter()
-        self.queued = False
-        self.ended = False
-        self.learned: Optional[Any] = None  # the profile a measured step gave
-
-    def end(self) -> None:
-        """The backward has ended (called by autograd's engine): hand the planner what
-        was measured. Never raises into the backward."""
-        if self.ended:
-            return
-        self.ended = True
-        try:
-            self.planner.timed(self.decision, time.perf_counter() - self.started)
-            if self.recorder is not None:
-                self.learned = self.recorder.finish()
-                self.planner.learned(self.decision, self.learned, self.recorder.failed)
-                self._record_measured()
-                model = self.model()
-                if model is not None:
-                    self.planner.say_measured(self.decision, self.learned, model)
-            elif self.meter is not None:
-                peak = self.meter.stop()
-                self.planner.checked(self.decision, peak, self.meter.exact)
-        except Exception as error:  # noqa: BLE001 - the caller's backward must go on
-            note(f"ckptwrap could not take in a step it followed: {type(error).__name__}: {error}")
-
-    def _record_measured(self) -> None:
-        """Give the model's plan record what the measured step showed at its shape."""
-        model, profile = self.model(), self.learned
-        record = None if model is None else model.__dict__.get(PLAN_ATTRIBUTE)
-        if profile is None or not isinstance(record, Plan) or record.pending:
-            return
-        budget, plain = self.planner.measured_plan(self.decision, profile)
-        record_plan(model, dataclasses.replace(
-            record, budget=budget, plain_peak=plain, activation_bytes=profile.total_activation_bytes,
-            predicted_peak=profile.step.total if profile.step is not None else None,
-        ))
-
-    def abandon(self, why: str) -> None:
-        """The step ends without a backward (none came before the next training forward,
-        or the forward raised): nothing is learned from it."""
-        if self.ended:
-            return
-        self.ended = True
-        if self.recorder is not None:
-            self.recorder.abandon(why)
-            self.planner.abandoned(self.decision)
-        elif self.meter is not None:
-            self.meter.stop()
-
-    def forward_done(self, output: Any) -> bool:
-        """The forward returned: carry the meter into the backward from the output.
-        False if the output holds nothing to follow the backward from."""
-        self.forward_done_ = True
-        roots = [t for t in tensors(output) if t.requires_grad]
-        if self.recorder is not None:
-            self.recorder.forward_done(output)
-        elif self.meter is not None:
-            self.meter.leave(roots)
-        if not roots or _torch_private.queue_callback is None:
-            self.abandon("the forward gave nothing to backpropagate")
-            return False
-        reached = functools.partial(_reached, weakref.ref(self))
-        for tensor in roots:
-            tensor.register_hook(functools.partial(reached, tensor.numel() == 1))
-        return True
-
-    def reached(self, scalar: bool, grad: Any) -> None:
-        """The backward reached an output of the step: have it tell the step when it
-        ends. Reached first at an output other than a scalar, the loss was made outside
-        the model, where no meter counted it: the meter takes it in from here."""
-        if self.queued or self.ended:
-            return
-        self.queued = True
-        if not scalar and isinstance(grad, torch.Tensor):
-            if self.recorder is not None:
-                self.recorder.phases.loss_outside(grad)
-            elif self.meter is not None and self.meter.span is not None:
-                self.meter.span.loss_outside(grad)
-        _torch_private.queue_callback(self.end)  # type: ignore[misc]
-
-
-def _reached(step_ref: "weakref.ref[FollowedStep]", scalar: bool, grad: Any) -> None:
-    step = step_ref()
-    if step is not None:
-        step.reached(scalar, grad)
-    return None
 
 
 class PlanPerShape:
@@ -173,7 +59,7 @@ class PlanPerShape:
         self.follow_shapes = follow_shapes
         self.applied: Optional[Plan] = None  # the plan whose modules this hook marked
         self._observed = False  # whether the marks applied tell a recorder what they do
-        self._step: Optional[FollowedStep] = None  # the step followed now
+        self.current: Optional[PlannedStep] = None  # the step followed now
         self._failed = False
         self.solved = False  # whether a plan solved from costs was applied
         self._overlapping = False  # a forward began while another's backward was pending
@@ -183,7 +69,7 @@ class PlanPerShape:
 
     def __getstate__(self) -> Dict[str, Any]:
         state = dict(self.__dict__)
-        state["_step"] = None
+        state["current"] = None
         return state
 
     def __call__(self, model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
@@ -228,30 +114,22 @@ class PlanPerShape:
         if why is not None:  # nothing to measure: least memory, unplanned, said once
             self._unmeasurable(model, why)
             return
-        device = step_device(model, args, kwargs)
-        decision = self.planner.decide(model, args, kwargs, device=device, fresh=functools.partial(_fresh, model))
-        if decision.measure and self._overlapping:
-            decision = dataclasses.replace(decision, measure=False)
-        if decision.measure:
-            recorder = StepRecorder(
-                model, _targets(model, self.planner.settings.names), device,
-                save_policy=self.planner.settings.save_policy, watch_base=self.planner.watch_base,
-            )
-            self._apply(model, self._least_memory(), decision, observer=recorder)
-            recorder.begin(args, kwargs)
-            self._follow(FollowedStep(model, self.planner, decision, recorder=recorder))
-            return
-        meter = None
-        if decision.choice is None:  # a layout no longer measured: least memory, unmeasured
+        step = self.planner.begin(
+            model, args, kwargs, device=step_device(model, args, kwargs), fresh=functools.partial(_fresh, model),
+            overlapping=self._overlapping, on_measured=functools.partial(_record_measured, weakref.ref(model)),
+        )
+        decision = step.decision
+        if step.recorder is not None:
+            self._apply(model, self._least_memory(), decision, observer=step.recorder)
+        elif decision.choice is None:  # a layout no longer measured: least memory, unmeasured
             self._apply(model, self._least_memory(), decision)
         else:
             self._apply(model, measured(self.unmeasured, decision.choice, decision.source), decision)
             self.solved = True
-            if decision.check and not self._overlapping:
-                meter = SpanPeak(device, reset=decision.reset).start()
+        step.start(args, kwargs)
         # Followed to the end even unmetered: a forward that comes before its backward
         # must know this one's graph is still alive.
-        self._follow(FollowedStep(model, self.planner, decision, meter=meter))
+        self.current = step
 
     def _unmeasurable(self, model: nn.Module, why: str) -> None:
         """A training forward where nothing can be measured (the meta device, fake
@@ -273,21 +151,18 @@ class PlanPerShape:
                 f"example inputs)."
             )
 
-    def _follow(self, step: "FollowedStep") -> None:
-        self._step = step
-
     def _settle(self, training: bool) -> None:
         """Before a forward: take ended steps' meters off the stack; before a training
         forward, a step whose backward never came is given up."""
-        step = self._step
+        step = self.current
         self._overlapping = False
         if step is not None and (step.ended or training):
             if not step.ended:
                 # Its graph may still be alive (two forwards, then one backward): this
                 # forward's step would hold that one's activations too, so it is not measured.
-                self._overlapping = step.forward_done_
+                self._overlapping = step.forwarded
                 step.abandon("no backward came before the next training forward")
-            self._step = None
+            self.current = None
 
     def _least_memory(self) -> Plan:
         """Every outermost candidate checkpointed whole on the non-re-entrant engine: the
@@ -355,7 +230,7 @@ class PlanPerShape:
         mark(model, plan)
         record_plan(model, plan)
         self.applied, self._observed = plan, False
-        self._step = None
+        self.current = None
 
     def plan(self, model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         """Plan on these inputs directly (measuring one step on them if their shape's costs
@@ -380,8 +255,8 @@ class StepEnd:
         self.handle: Any = None  # its registration on the model (a RemovableHandle)
 
     def __call__(self, model: nn.Module, args: Any, output: Any) -> None:
-        step = self.hook._step
-        if step is None or step.forward_done_ or step.ended:
+        step = self.hook.current
+        if step is None or step.forwarded or step.ended:
             return None
         if not step.forward_done(output) and not self.hook.unfollowed:
             self.hook.unfollowed = True
@@ -401,9 +276,17 @@ def _fresh(model: nn.Module) -> bool:
     return all(p.grad is None for p in model.parameters() if p.requires_grad)
 
 
-def _targets(model: nn.Module, names: List[str]) -> List[Tuple[str, nn.Module]]:
-    modules = dict(model.named_modules())
-    return [(name, modules[name]) for name in names if name in modules]
+def _record_measured(model_ref: "weakref.ref[nn.Module]", profile: Any, budget: Optional[int], plain: int) -> None:
+    """Give the model's plan record what a measured step showed at its shape (the budget
+    in bytes and the un-checkpointed peak there)."""
+    model = model_ref()
+    record = None if model is None else model.__dict__.get(PLAN_ATTRIBUTE)
+    if not isinstance(record, Plan) or record.pending:
+        return
+    record_plan(model, dataclasses.replace(
+        record, budget=budget, plain_peak=plain, activation_bytes=profile.total_activation_bytes,
+        predicted_peak=profile.step.total if profile.step is not None else None,
+    ))
 
 
 def _plan_eagerly(hook: PlanPerShape, model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
@@ -457,10 +340,10 @@ def remove_pending(model: nn.Module) -> None:
     for hook in hooks:
         if isinstance(hook, PlanPerShape):
             hook.handle.remove()
-            step = hook._step
+            step = hook.current
             if step is not None:
                 step.abandon("unwrapped")
-                hook._step = None
+                hook.current = None
         elif isinstance(hook, StepEnd):
             hook.handle.remove()
     cache_writes_on(model.modules())

@@ -105,7 +105,7 @@ def test_a_shape_smaller_than_one_measured_is_solved_from_its_costs(monkeypatch)
     assert planner.measurements == 1
     for rows, length in [(4, 64), (2, 150), (3, 191), (1, 30)]:
         largest = _run(model, plain, budget, rows, length, largest)
-        decision = _hook(model)._step.decision
+        decision = _hook(model).current.decision
         assert not decision.measure and decision.source == "bounded", (rows, length, decision.source)
         assert model.ckptwrap_plan.costs_from == "bounded"
     assert planner.measurements == 1, "a shape below the measured one was measured"
@@ -119,7 +119,7 @@ def test_a_shape_a_little_larger_than_one_measured_is_solved_from_its_costs_scal
     measured = planner.measurements
     for rows, length in [(4, 168), (4, 172)]:
         largest = _run(model, plain, budget, rows, length, largest)
-        decision = _hook(model)._step.decision
+        decision = _hook(model).current.decision
         assert not decision.measure and decision.source == "scaled", (rows, length, decision.source)
         assert model.ckptwrap_plan.costs_from == "scaled"
         scale = (length / 160) ** 2
@@ -140,7 +140,7 @@ def test_a_shape_far_larger_than_any_measured_is_measured_not_warned_about(monke
     # A bound 196 times the measured costs fits no plan: the shape is measured, and no
     # "no plan fits" is said of it.
     assert not [w for w in said if "no plan fits" in str(w.message)]
-    assert _hook(model)._step.decision.measure
+    assert _hook(model).current.decision.measure
     assert planner.measurements == 2
 
 
@@ -149,9 +149,9 @@ def test_a_share_of_the_plain_peak_at_a_larger_shape_is_read_by_measuring_it(mon
     model = ckptwrap.wrap_model(_gpt(), "budget:50%")
     _step(model, _batch(4, 160))
     _step(model, _batch(4, 168))  # within a bound's reach, but the share's reference moves
-    assert _hook(model)._step.decision.measure
+    assert _hook(model).current.decision.measure
     _step(model, _batch(4, 100))  # below: the reference stands
-    decision = _hook(model)._step.decision
+    decision = _hook(model).current.decision
     assert not decision.measure and decision.source == "bounded"
     assert _planner(model).measurements == 2
 
@@ -192,9 +192,9 @@ def test_with_learning_on_a_bounded_shape_is_measured_once_the_share_allows(monk
     _step(model, _batch(4, 160))
     for length in (100, 110, 120):  # solved from the bound until a step is timed unmetered
         _step(model, _batch(4, length))
-        if _hook(model)._step.decision.measure:
+        if _hook(model).current.decision.measure:
             break
-    assert _hook(model)._step.decision.measure, "learning never measured"
+    assert _hook(model).current.decision.measure, "learning never measured"
     assert _planner(model).measurements == 2
 
 
@@ -247,7 +247,7 @@ def test_shapes_one_measured_shape_bounds_share_one_solve(monkeypatch):
     plans = []
     for rows, length in [(4, 180), (3, 150), (4, 121), (2, 190), (3, 177), (4, 160)]:
         largest = _run(model, plain, budget, rows, length, largest)
-        assert _hook(model)._step.decision.source == "bounded"
+        assert _hook(model).current.decision.source == "bounded"
         plans.append(model.ckptwrap_plan.names)
     assert len(solves) == 1, len(solves)
     assert all(names == plans[0] for names in plans) and plans[0]  # checkpointed, within the budget
@@ -261,7 +261,7 @@ def test_scaled_shapes_between_two_grid_steps_share_one_bound(monkeypatch):
     # (length / 160) ** 2 of 1.0125 and 1.025: within one step of the grid (2 ** (1/16)).
     for length in (161, 162):
         largest = _run(model, plain, budget, 4, length, largest)
-        assert _hook(model)._step.decision.source == "scaled"
+        assert _hook(model).current.decision.source == "scaled"
     assert len(solves) == 1
     costs = _planner(model)._layouts.of(_batch(4, 160), {})[0]
     bounds = [costs.profile_at((4, length)) for length in (161, 162)]
@@ -282,7 +282,7 @@ def test_a_scaled_bound_worked_out_a_step_or_two_higher_is_taken_as_it_is(monkey
     # (length / 160) ** 2 on the grid of 2 ** (1/16): steps 6, 4, 2 and 2.
     for length in (180, 172, 166, 164):
         largest = _run(model, plain, budget, 4, length, largest)
-        assert _hook(model)._step.decision.source == "scaled"
+        assert _hook(model).current.decision.source == "scaled"
         costs = _planner(model)._layouts.of(_batch(4, 160), {})[0]
         measured_peak = costs.profiles[(4, 160)].step.total
         seen[length] = costs.profile_at((4, length))
@@ -302,7 +302,7 @@ def test_many_shapes_under_one_plan_keep_what_is_kept_of_them_bounded(monkeypatc
     solves = _count(monkeypatch, "ckptwrap.planner._planner", "choose")
     for length in range(110, 200):
         _step(model, _batch(4, length))
-        assert _hook(model)._step.decision.source == "bounded"
+        assert _hook(model).current.decision.source == "bounded"
     cache = _planner(model)._cache
     assert len(solves) == 1 and len(cache.plans) == 1
     assert len(cache.plain) <= 64

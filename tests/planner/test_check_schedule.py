@@ -100,12 +100,12 @@ def test_after_a_measurement_the_cpu_checks_a_step_no_larger_than_those_so_far(m
     _no_learning(monkeypatch)
     model = ckptwrap.wrap_model(_gpt(), "budget:200MiB")
     _step(model, _batch(4, 160))  # measured
-    assert _hook(model)._step.decision.measure
+    assert _hook(model).current.decision.measure
     _step(model, _batch(4, 100))  # the step after the measurement: unmetered
-    assert not _hook(model)._step.decision.check
+    assert not _hook(model).current.decision.check
     _step(model, _batch(4, 120))  # larger than the steps timed so far: not metered
-    decision = _hook(model)._step.decision
+    decision = _hook(model).current.decision
     assert not decision.measure and not decision.check
     _step(model, _batch(4, 80))  # smaller: the check the measurement calls for
-    decision = _hook(model)._step.decision
+    decision = _hook(model).current.decision
     assert not decision.measure and decision.check

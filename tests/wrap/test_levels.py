@@ -318,7 +318,7 @@ def test_switching_shape_plans_switches_each_modules_level(monkeypatch):
     monkeypatch.setattr(choosing, "solve_budget", solve)
     monkeypatch.setattr("ckptwrap.planner._planner.LEARN_SHARE", 0.0)  # two solves, no more
     # The made-up solutions' predictions are no plan's: checks against them would miss.
-    monkeypatch.setattr(ShapePlanner, "checked", lambda *args, **kwargs: None)
+    monkeypatch.setattr(ShapePlanner, "_step_checked", lambda *args, **kwargs: None)
     model = wrap_model(make(TinyGPT), "budget:50%")
     short = (gpt_batch()[0][:, :4], gpt_batch()[1][:, :4])
     full = gpt_batch()
