@@ -250,7 +250,7 @@ def step_items(
 ) -> Tuple[List[Tuple[str, CostItem]], Dict[str, Tuple[Level, ...]], int]:
     """The solver's items for ``names`` in forward order with the step's terms, the
     selective levels behind each one's options, and the solver's tail: what a plan is
-    solved on (see :func:`~ckptwrap.planner.forward_levels` for the arguments)."""
+    solved on (see ``forward_levels`` for the arguments)."""
     found = forward_levels(
         profile, names, segments=segments, levels=levels, region_bytes=region_bytes
     )

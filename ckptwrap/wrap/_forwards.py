@@ -56,7 +56,7 @@ class CheckpointedForward:
         self.previous = previous  # an instance-level forward someone else had set, if any
         self.offload = offload
         self.chain = chain  # the modules that run in this module's region after it
-        # A step recorder (``planner.StepRecorder``) told of each call, on a step measured.
+        # The planner's step recorder (``StepRecorder``), told of each call on a step measured.
         self.observer = observer
 
     @property

@@ -11,7 +11,7 @@ import re
 import pytest
 
 from ckptwrap._errors import CheckpointConfigError
-from ckptwrap.planner import resolve_budget
+from ckptwrap.planner._solver import resolve_budget
 from ckptwrap.policy import Budget
 from ckptwrap.planner import CostItem, predicted_peak
 from ckptwrap.planner._solver import PercentBudget, pooled_times, smallest_reachable_peak, solve_budget

@@ -22,7 +22,7 @@ from ckptwrap.policy import (
     parse_policy,
     split_modifiers,
 )
-from ckptwrap.planner import resolve_budget
+from ckptwrap.planner._solver import resolve_budget
 from ckptwrap.policy._numbers import MAX_BYTES, abbreviate
 
 _UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "KB": 10**3, "GB": 10**9}

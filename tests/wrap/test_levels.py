@@ -33,7 +33,7 @@ from ckptwrap.planner._costs import OpCost
 from ckptwrap.wrap._marks import apply_plan
 from ckptwrap.wrap._planning import plan_and_profile
 from ckptwrap.wrap._selective import SavedInstances
-from ckptwrap.planner import with_step_terms
+from ckptwrap.planner._peak_model import with_step_terms
 
 from ._models import TinyGPT, assert_same, gpt_batch, gpt_loss, grads, make, marked, markings, step
 
