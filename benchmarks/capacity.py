@@ -25,7 +25,7 @@ import torch
 
 import ckptwrap
 from ckptwrap import CheckpointConfigError
-from ckptwrap.planner import DEVICE_RATES
+from ckptwrap.measure import DEVICE_RATES
 
 GIB = float(1 << 30)
 

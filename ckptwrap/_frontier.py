@@ -17,16 +17,8 @@ from torch import nn
 
 from ._errors import CheckpointConfigError
 from .policy import Blocks, Intersection, Policy, as_policy, split_modifiers
-from .planner import (
-    CostItem,
-    ModelProfile,
-    predicted_peak,
-    region_bytes,
-    smallest_reachable_peak,
-    solve_budget,
-    step_device,
-    step_items,
-)
+from .planner import CostItem, predicted_peak, smallest_reachable_peak, solve_budget, step_items
+from .measure import ModelProfile, region_bytes, step_device
 from .wrap import plan, profile_modules
 
 __all__ = [

@@ -408,7 +408,7 @@ def test_the_command_line_modules_import_in_either_order(first, second):
 
 
 def test_pareto_profiles_the_model_once_and_draws_what_the_table_says(capsys, monkeypatch):
-    from ckptwrap.planner import _metering
+    from ckptwrap.measure import _metering
 
     calls = []
     original = _metering.measure_inputs

@@ -103,10 +103,15 @@ def test_the_planner_keeps_the_names_its_users_import():
     from ckptwrap import planner
 
     for name in (
-        "BudgetSolution", "Choice", "CostItem", "ModelProfile", "Plan", "PlanEntry", "ShapePlanner",
+        "BudgetSolution", "Choice", "CostItem", "Plan", "PlanEntry", "ShapePlanner",
         "format_bytes", "predicted_peak", "smallest_reachable_peak", "solve_budget",
     ):
         assert name in planner.__all__ and hasattr(planner, name), name
+    # What a step costs, measured or on fake tensors, is measure's.
+    from ckptwrap import measure
+
+    for name in ("DEVICE_RATES", "DeviceRates", "ModelProfile", "ModuleCost", "StepPeaks", "measure_inputs"):
+        assert name in measure.__all__ and hasattr(measure, name), name
     # A step measured on given inputs runs its regions through the marking layer's runner.
     from ckptwrap import wrap
 

@@ -12,7 +12,7 @@ from torch import nn
 from .. import _torch_private
 from ..policy import code_units
 from .._hf import checkpointing_flagged, checkpointing_on, describe_flags, flags_on, how_to_keep_off, library_of, owners
-from ..planner import ModelProfile
+from ..measure import ModelProfile
 from ._regions import Region
 from ._report import Finding
 from ._steps import CallLog

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from .._errors import CheckpointConfigError
-from ..planner import ModelProfile, as_example
+from ..planner import as_example
+from ..measure import ModelProfile
 from ..wrap import PLAN_ATTRIBUTE, disabled, profile_modules, remove_pending
 from . import _checks
 from ._ddp import check_ddp

@@ -1,5 +1,9 @@
-"""What things cost in memory: the peak-memory meter of a block of code, and the storage
-bookkeeping the planner's profiler counts saved tensors with.
+"""What things cost: the peak-memory meter of a block of code and the storage bookkeeping
+under it (``measure_peak``, ``StorageCounter``, ``SpanPeak``), and what a training step
+costs module by module, as the budget planner reads it: the cost record (``OpCost``,
+``ModuleCost``, ``ModelProfile``, ``StepPeaks``), a real step metered into one
+(``StepRecorder``, ``measure_inputs``) and a step on fake tensors priced at a device's
+rates (``unreal``, ``DEVICE_RATES``, ``DeviceRates``).
 
 ``measure_peak`` reads the allocator's peak statistics on CUDA and other accelerators,
 and counts tensor storages as they are created and freed on the CPU (``StorageCounter``).
@@ -17,21 +21,63 @@ from ._storages import (
     tensor_storages,
     tensors,
 )
+from ._costs import END, ModelProfile, ModuleCost, OpCost, StepPeaks, packet_name, region_bytes
+from ._unreal import (
+    DEVICE_RATES,
+    DeviceRates,
+    RealWhereItCan,
+    device_rates,
+    outside_fake,
+    step_device,
+    unreal,
+)
+from ._metering import (
+    ProgressBar,
+    RecomputePrices,
+    StepRecorder,
+    dispatch_cost,
+    measure_inputs,
+    resolve_targets,
+    selective_cost,
+    should_show,
+)
 
 __all__ = [
+    "DEVICE_RATES",
+    "DeviceRates",
+    "END",
+    "ModelProfile",
+    "ModuleCost",
+    "OpCost",
     "PeakMemory",
+    "ProgressBar",
+    "RealWhereItCan",
+    "RecomputePrices",
     "SavePolicy",
     "SpanPeak",
+    "StepPeaks",
+    "StepRecorder",
     "StepSpan",
     "StorageCounter",
     "StorageMap",
     "Tally",
+    "device_rates",
     "differentiable",
+    "dispatch_cost",
+    "measure_inputs",
     "measure_peak",
     "outputs_of",
+    "outside_fake",
+    "packet_name",
     "policy_watch",
     "ready_libraries",
+    "region_bytes",
+    "resolve_targets",
     "saving",
+    "selective_cost",
+    "should_show",
+    "step_device",
     "tensor_storages",
     "tensors",
+    "unreal",
 ]

@@ -7,19 +7,16 @@ under, with the recorder of a measured step or the meter of a checked one), whic
 marks follow and which hands the planner what it measured at the step's end; on given
 inputs, :meth:`ShapePlanner.choose` measures one step (``measure_inputs``, its regions
 run by the marking layer's runner). The rest is for the tools around it: the peak model
-and solver (``CostItem``, ``predicted_peak``, ``solve_budget``), the device's rates
-(``DEVICE_RATES``, ``DeviceRates``) and the optimizers it prices.
+and solver (``CostItem``, ``predicted_peak``, ``solve_budget``), and the optimizers it prices. What
+a step costs, measured or on fake tensors, is ``measure``'s.
 """
 
-from ._costs import ModelProfile, ModuleCost, StepPeaks, packet_name, region_bytes
 from ._device_memory import DeviceMemory, OPTIMIZERS, OptimizerSpec, optimizer_spec
-from ._metering import ProgressBar, measure_inputs, resolve_targets, should_show
 from ._peak_model import CostItem, CostOption, format_bytes, predicted_peak
 from ._plan import Plan, PlanEntry
 from ._planner import Choice, Decision, PlannedStep, ShapePlanner, step_items
 from ._shapes import PlanSettings, as_example, is_measuring, read_layout
 from ._solver import BudgetSolution, smallest_reachable_peak, solve_budget
-from ._unreal import DEVICE_RATES, DeviceRates, device_rates, step_device, unreal
 
 __all__ = [
     "BudgetSolution",
@@ -27,35 +24,21 @@ __all__ = [
     "CostItem",
     "CostOption",
     "Decision",
-    "ModelProfile",
-    "ModuleCost",
     "Plan",
     "PlanEntry",
     "PlanSettings",
     "PlannedStep",
     "ShapePlanner",
-    "StepPeaks",
     "as_example",
-    "DEVICE_RATES",
-    "DeviceRates",
-    "device_rates",
     "DeviceMemory",
     "OPTIMIZERS",
     "OptimizerSpec",
     "optimizer_spec",
     "format_bytes",
     "is_measuring",
-    "packet_name",
     "predicted_peak",
-    "ProgressBar",
-    "measure_inputs",
-    "resolve_targets",
-    "should_show",
     "read_layout",
-    "region_bytes",
     "smallest_reachable_peak",
     "solve_budget",
-    "step_device",
-    "unreal",
     "step_items",
 ]

@@ -22,9 +22,16 @@ from torch import nn
 from .. import _torch_private
 from .._errors import CheckpointConfigError
 from .._warn import warn
-from ..measure import StorageCounter, tensor_storages, tensors
+from ..measure import (
+    RealWhereItCan,
+    StorageCounter,
+    device_rates,
+    outside_fake,
+    tensor_storages,
+    tensors,
+    unreal,
+)
 from ._peak_model import format_bytes
-from ._unreal import RealWhereItCan, device_rates, outside_fake, unreal
 
 __all__ = [
     "DEVICE_MARGIN",

@@ -37,8 +37,7 @@ from collections import Counter
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 from .._errors import CheckpointConfigError
-from ._costs import ModelProfile
-from ._metering import RecomputePrices
+from ..measure import ModelProfile, RecomputePrices
 
 __all__ = [
     "CostItem",

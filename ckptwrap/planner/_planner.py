@@ -86,15 +86,24 @@ from torch import nn
 from .. import _torch_private
 from .._errors import CheckpointConfigError
 from .._warn import note, warn
-from ..measure import SpanPeak, tensors
-from ._costs import ModelProfile, region_bytes
+from ..measure import (
+    ModelProfile,
+    SpanPeak,
+    StepRecorder,
+    dispatch_cost,
+    measure_inputs,
+    outside_fake,
+    region_bytes,
+    resolve_targets,
+    selective_cost,
+    step_device,
+    tensors,
+)
 from ._device_memory import DeviceMemory, DeviceTerms
-from ._metering import StepRecorder, dispatch_cost, measure_inputs, resolve_targets, selective_cost
 from ._peak_model import CostItem, Level, forward_levels, predicted_peak, saving, with_step_terms
 from ._plan import BOUNDS, PlanEntry
 from ._shapes import LayoutCosts, Layouts, PlanSettings, measuring
 from ._solver import BudgetSolution, lowest_plan, resolve_budget, solve_budget
-from ._unreal import outside_fake, step_device
 
 __all__ = [
     "Choice",

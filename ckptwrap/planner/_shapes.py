@@ -109,7 +109,7 @@ from torch.utils._pytree import tree_flatten
 
 from .._errors import CheckpointConfigError
 from ..policy import Budget
-from ._costs import END, ModelProfile, ModuleCost, OpCost, StepPeaks
+from ..measure import END, ModelProfile, ModuleCost, OpCost, StepPeaks
 
 __all__ = [
     "InputLayout",

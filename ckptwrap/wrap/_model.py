@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from .._errors import CheckpointConfigError
-from ..planner import Plan, as_example, optimizer_spec, step_device, unreal
+from ..planner import Plan, as_example, optimizer_spec
+from ..measure import step_device, unreal
 from ._marks import PLAN_ATTRIBUTE, apply_plan, record_plan, unmark
 from ._per_shape import PlanPerShape, StepEnd, remove_pending
 from ._max_shapes import check_max_shapes

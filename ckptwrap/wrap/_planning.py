@@ -31,20 +31,15 @@ from ..policy import (
 from ..measure import SavePolicy
 from ..planner import (
     Choice,
-    ModelProfile,
+    OptimizerSpec,
     Plan,
     PlanEntry,
     PlanSettings,
-    ProgressBar,
     ShapePlanner,
-    OptimizerSpec,
     as_example,
-    device_rates,
-    measure_inputs,
     optimizer_spec,
-    resolve_targets,
-    should_show,
 )
+from ..measure import ModelProfile, ProgressBar, device_rates, measure_inputs, resolve_targets, should_show
 from ._code_checkpoints import checkpointed_by_code, say_left_to_code
 from ._max_shapes import check_max_shapes
 from ._forwards import marking

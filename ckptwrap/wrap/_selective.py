@@ -23,7 +23,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from .. import _torch_private
 from .._errors import CheckpointError
-from ..planner import packet_name
+from ..measure import packet_name
 from ..policy import draws_random, resolve_ops
 
 __all__ = ["SavedInstances", "SelectiveContexts"]

@@ -25,7 +25,8 @@ from torch import nn
 import ckptwrap
 from ckptwrap import CheckpointConfigError
 from ckptwrap.measure import StorageCounter
-from ckptwrap.planner import DEVICE_RATES, DeviceRates, optimizer_spec
+from ckptwrap.planner import optimizer_spec
+from ckptwrap.measure import DEVICE_RATES, DeviceRates
 from ckptwrap.planner._device_memory import DEVICE_MARGIN
 from ckptwrap.planner._device_memory import device_memory
 from ckptwrap.policy import Budget

@@ -19,7 +19,7 @@ from torch.utils.checkpoint import (
 )
 
 import ckptwrap
-from ckptwrap.planner import ModelProfile
+from ckptwrap.measure import ModelProfile
 from ckptwrap.wrap import profile_modules
 from tests.wrap._models import TinyGPT, gpt_batch, make
 

@@ -17,9 +17,9 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from ckptwrap._errors import CheckpointConfigError
-from ckptwrap.planner import ModelProfile, ModuleCost
+from ckptwrap.measure import ModelProfile, ModuleCost
 from ckptwrap.wrap import profile_modules
-from ckptwrap.planner._metering import should_show
+from ckptwrap.measure._metering import should_show
 
 
 # --- independent counts ---------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The same model, inputs and budget give the same plan whatever the clock read: the solver
 weighs recomputations at prices from what they run (operators, FLOPs, bytes created:
 counts that repeat exactly), calibrated by one factor common to them all, so a run's
-timing noise decides no choice (``planner._metering.RecomputePrices``).
+timing noise decides no choice (``measure._metering.RecomputePrices``).
 
 Noise is made on purpose: every measured time of a profile (each candidate's, each of its
 operators', the selective mode's cost) multiplied by its own factor between a third and

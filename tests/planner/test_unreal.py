@@ -1,7 +1,7 @@
 """Planning without the hardware: a model on the meta device or made of fake tensors
 (``FakeTensorMode``) is planned from one step run on fake tensors, with the user's real
 inputs kept real, so that its bytes are those a real step allocates and its times are
-priced from FLOPs and bytes at a device's rates (``ckptwrap.planner.DeviceRates``).
+priced from FLOPs and bytes at a device's rates (``ckptwrap.measure.DeviceRates``).
 
 Before this, planning there was refused (and before that, silently wrong: a Llama's plain
 step predicted 29% high and ``blocks`` 67% low, from the meta kernels and a traced
@@ -23,7 +23,7 @@ from torch import nn
 
 import ckptwrap
 from ckptwrap import CheckpointConfigError
-from ckptwrap.planner import DEVICE_RATES, DeviceRates, device_rates
+from ckptwrap.measure import DEVICE_RATES, DeviceRates, device_rates
 from ckptwrap.wrap._marks import apply_plan
 from ckptwrap.wrap._planning import plan_and_profile
 

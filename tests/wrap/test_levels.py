@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ckptwrap
 from ckptwrap import CheckpointConfigError
-import ckptwrap.planner._metering as calls
+import ckptwrap.measure._metering as calls
 import ckptwrap.planner._planner as choosing
 import ckptwrap.planner._peak_model as costs
 from ckptwrap import plan, unwrap_model, wrap_model
@@ -29,7 +29,7 @@ from ckptwrap.planner import ShapePlanner
 from ckptwrap.wrap import profile_modules
 from ckptwrap.planner._peak_model import CostItem, predicted_peak
 from ckptwrap.planner._peak_model import MAX_LEVELS, selective_levels
-from ckptwrap.planner._costs import OpCost
+from ckptwrap.measure._costs import OpCost
 from ckptwrap.wrap._marks import apply_plan
 from ckptwrap.wrap._planning import plan_and_profile
 from ckptwrap.wrap._selective import SavedInstances

@@ -20,7 +20,8 @@ from torch import nn
 import ckptwrap
 from ckptwrap import plan, unwrap_model, wrap_model
 from ckptwrap._errors import CheckpointConfigError
-from ckptwrap.planner import region_bytes, step_device, step_items
+from ckptwrap.planner import step_items
+from ckptwrap.measure import region_bytes, step_device
 from ckptwrap.wrap import profile_modules
 from ckptwrap.planner import predicted_peak
 from ckptwrap.planner._solver import solve_budget

@@ -26,10 +26,10 @@ import torch
 import torch.distributed as dist
 import torch.profiler.profiler as profiler_module
 
-import ckptwrap.planner._metering as profile_module
+import ckptwrap.measure._metering as profile_module
 from ckptwrap import plan, unwrap_model, wrap_model
 from ckptwrap._errors import CheckpointConfigError
-from ckptwrap.planner._metering import StepRecorder
+from ckptwrap.measure._metering import StepRecorder
 
 from ._meter import allocator_step_peak
 from ._models import assert_same, grads, marked, markings

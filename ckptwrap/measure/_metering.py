@@ -74,7 +74,7 @@ from .._errors import CheckpointConfigError
 from .._hf import fresh_caches
 from .._warn import note
 from ..engine import CheckpointOptions, graph_nodes, is_recomputing, observe_saved, reaches_reentrant, saved_observer
-from ..measure import SavePolicy, StorageMap, Tally, differentiable, policy_watch, tensor_storages, tensors
+from ._storages import SavePolicy, StorageMap, Tally, differentiable, policy_watch, tensor_storages, tensors
 from ._costs import ModelProfile, ModuleCost, OpCost, OpRecorder, PhaseMeter, Window, by_phase, merge_calls
 from ._unreal import measure_unreal, step_device, unreal
 

@@ -70,16 +70,9 @@ from torch.utils.checkpoint import SAC_IGNORED_OPS
 from torch.utils.flop_counter import flop_registry
 
 from .. import _torch_private
-from ..measure import (
-    StepSpan,
-    StorageCounter,
-    StorageMap,
-    Tally,
-    outputs_of,
-    ready_libraries,
-    tensor_storages,
-    tensors,
-)
+from ._peak import StorageCounter, outputs_of, ready_libraries
+from ._span import StepSpan
+from ._storages import StorageMap, Tally, tensor_storages, tensors
 from ..policy import draws_random
 
 __all__ = [

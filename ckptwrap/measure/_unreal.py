@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_map_only
 from .. import _torch_private
 from .._errors import CheckpointConfigError
 from ..engine import is_recomputing
-from ..measure import tensor_storages, tensors
+from ._storages import tensor_storages, tensors
 from ._costs import ModelProfile, ModuleCost, OpCost, op_flops
 
 __all__ = [
