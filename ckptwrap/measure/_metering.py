@@ -55,6 +55,7 @@ scripts and tests stay clean. It has no dependencies beyond the standard library
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import difflib
 import functools
@@ -78,6 +79,16 @@ from ._storages import SavePolicy, StorageMap, Tally, differentiable, policy_wat
 from ._costs import ModelProfile, ModuleCost, OpCost, OpRecorder, PhaseMeter, Window, by_phase, merge_calls
 from ._unreal import measure_unreal, step_device, unreal
 
+_MEASURING: contextvars.ContextVar[bool] = contextvars.ContextVar("ckptwrap_measuring", default=False)
+
+
+def is_measuring() -> bool:
+    """Whether the model runs to be measured on given inputs (:func:`measure_inputs`): a
+    forward hook that plans must then leave it alone (the forward is not a training
+    forward of the caller's)."""
+    return _MEASURING.get()
+
+
 RegionRunner = Callable[[nn.Module, Callable[..., Any], Tuple[Any, ...], Dict[str, Any], CheckpointOptions], Any]
 """How the marking layer runs a module's forward as a checkpointed region:
 ``run_region(module, call, args, kwargs, options)``."""
@@ -88,6 +99,7 @@ __all__ = [
     "RecomputePrices",
     "StepRecorder",
     "dispatch_cost",
+    "is_measuring",
     "measure_inputs",
     "resolve_targets",
     "should_show",
@@ -1100,7 +1112,7 @@ def measure_inputs(
     fake: bool = False,
 ) -> ModelProfile:
     """One step on given inputs, measured (see ``wrap``'s ``profile_modules``); the model
-    is left as it was. Every outermost candidate runs as a checkpointed region through
+    is left as it was, and :func:`is_measuring` is true while it runs. Every outermost candidate runs as a checkpointed region through
     ``run_region(module, call, args, kwargs, options)``, the marking layer's runner, so a
     measured region runs as a plan's does (statistics kept, buffers replayed, caches
     copied), told to the recorder. With ``train``, a model in eval mode is measured in train mode (dropout
@@ -1116,11 +1128,15 @@ def measure_inputs(
         run_region=run_region,
     )
     why = unreal(model, args, kwargs) or ("planned on fake tensors, as asked" if fake else None)
-    if why is not None:
-        return measure_unreal(
-            lambda *step: _measure(*step, targets, timed=False, **options), model, args, kwargs, why, rates,
-        )
-    return _measure(model, args, kwargs, targets, timed=timed, **options)
+    token = _MEASURING.set(True)
+    try:
+        if why is not None:
+            return measure_unreal(
+                lambda *step: _measure(*step, targets, timed=False, **options), model, args, kwargs, why, rates,
+            )
+        return _measure(model, args, kwargs, targets, timed=timed, **options)
+    finally:
+        _MEASURING.reset(token)
 
 
 def _measure(

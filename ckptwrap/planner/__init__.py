@@ -15,7 +15,7 @@ from ._device_memory import DeviceMemory, OPTIMIZERS, OptimizerSpec, optimizer_s
 from ._peak_model import CostItem, CostOption, format_bytes, predicted_peak
 from ._plan import Plan, PlanEntry
 from ._planner import Choice, Decision, PlannedStep, ShapePlanner, step_items
-from ._shapes import PlanSettings, as_example, is_measuring, read_layout
+from ._shapes import PlanSettings, as_example, read_layout
 from ._solver import BudgetSolution, smallest_reachable_peak, solve_budget
 
 __all__ = [
@@ -35,7 +35,6 @@ __all__ = [
     "OptimizerSpec",
     "optimizer_spec",
     "format_bytes",
-    "is_measuring",
     "predicted_peak",
     "read_layout",
     "smallest_reachable_peak",

@@ -102,7 +102,7 @@ from ..measure import (
 from ._device_memory import DeviceMemory, DeviceTerms
 from ._peak_model import CostItem, Level, forward_levels, predicted_peak, saving, with_step_terms
 from ._plan import BOUNDS, PlanEntry
-from ._shapes import LayoutCosts, Layouts, PlanSettings, measuring
+from ._shapes import LayoutCosts, Layouts, PlanSettings
 from ._solver import BudgetSolution, lowest_plan, resolve_budget, solve_budget
 
 __all__ = [
@@ -877,7 +877,7 @@ class ShapePlanner:
             costs, sizes = self._layouts.of(args, kwargs)
             if sizes not in costs.profiles:
                 settings = self.settings
-                with measuring(), (around() if around is not None else contextlib.nullcontext()):
+                with around() if around is not None else contextlib.nullcontext():
                     profile = measure_inputs(
                         model, resolve_targets(model, settings.names), args, kwargs,
                         run_region=settings.run_region, loss_fn=settings.loss_fn, save_policy=settings.save_policy,
@@ -897,11 +897,6 @@ class ShapePlanner:
         """Take ``profile``, measured on these inputs, as their costs."""
         costs, sizes = self._layouts.of(args, kwargs)
         costs.learn(sizes, profile)
-
-    def layout_of(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Optional[str]:
-        """How the shape variables of these inputs read, if their layout is known."""
-        found = self._layouts.find(args, kwargs)
-        return None if found is None else found[0].layout.describe(found[1])
 
     # ------------------------------------------------------------------ internals
 

@@ -23,9 +23,6 @@ A layout is widened where inputs differ from it in sizes only (``InputLayout.wid
 the dimensions that changed become variables of it, what was measured keeps its place
 (at the sizes those dimensions had), and no new layout is opened.
 
-While the planner runs the model itself on given inputs (``plan``, example inputs),
-:func:`is_measuring` is true, so that a hook that plans leaves those forwards alone.
-
 The shape variables of a model's inputs: which tensor dimensions carry the batch and
 which a length (a sequence length, an image side), read from one forward's inputs, and
 the sizes another forward's inputs give them. Costs are fitted over these variables; the
@@ -97,12 +94,10 @@ start of a training step, inside its memory).
 from __future__ import annotations
 
 import collections
-import contextlib
-import contextvars
 import dataclasses
 import itertools
 import math
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -117,8 +112,6 @@ __all__ = [
     "Layouts",
     "PlanSettings",
     "as_example",
-    "is_measuring",
-    "measuring",
     "read_layout",
 ]
 
@@ -968,15 +961,6 @@ _LAYOUTS = 8
 _EVALUATED = 64
 """Evaluations of a fit kept per layout, the most recent."""
 
-_MEASURING: contextvars.ContextVar[bool] = contextvars.ContextVar("ckptwrap_measuring", default=False)
-
-
-def is_measuring() -> bool:
-    """Whether the model runs to be measured for a plan: a forward hook that plans must
-    then leave it alone (the forward is not a training forward of the caller's)."""
-    return _MEASURING.get()
-
-
 @dataclasses.dataclass(frozen=True)
 class PlanSettings:
     """What a measured plan is made of, besides the model and its inputs."""
@@ -1022,16 +1006,6 @@ class PlanSettings:
             name for name in names
             if name and not any(name.startswith(other + ".") for other in names if other)
         ]
-
-
-@contextlib.contextmanager
-def measuring() -> Iterator[None]:
-    """While the planner runs the model itself, on given inputs."""
-    token = _MEASURING.set(True)
-    try:
-        yield
-    finally:
-        _MEASURING.reset(token)
 
 
 _SCALE_STEP = 2 ** (1 / 16)

@@ -29,8 +29,8 @@ from torch import nn
 from .._compiling import outside_graph
 from .._errors import CheckpointConfigError
 from .._warn import note, warn
-from ..planner import Decision, Plan, PlanEntry, PlannedStep, ShapePlanner, is_measuring
-from ..measure import step_device, unreal
+from ..planner import Decision, Plan, PlanEntry, PlannedStep, ShapePlanner
+from ..measure import is_measuring, step_device, unreal
 from ._clients import cache_writes_on
 from ._marks import PLAN_ATTRIBUTE, apply_plan, mark, named, record_plan, unmark
 from ._max_shapes import unreceived
