@@ -9,18 +9,9 @@ rates (``unreal``, ``DEVICE_RATES``, ``DeviceRates``).
 and counts tensor storages as they are created and freed on the CPU (``StorageCounter``).
 """
 
-from ._peak import PeakMemory, StorageCounter, measure_peak, outputs_of, ready_libraries
-from ._span import SpanPeak, StepSpan
-from ._storages import (
-    SavePolicy,
-    StorageMap,
-    Tally,
-    differentiable,
-    policy_watch,
-    saving,
-    tensor_storages,
-    tensors,
-)
+from ._peak import PeakMemory, StorageCounter, measure_peak, ready_libraries
+from ._span import SpanPeak
+from ._storages import SavePolicy, tensor_storages, tensors
 from ._costs import END, ModelProfile, ModuleCost, OpCost, StepPeaks, packet_name, region_bytes
 from ._unreal import (
     DEVICE_RATES,
@@ -58,24 +49,17 @@ __all__ = [
     "SpanPeak",
     "StepPeaks",
     "StepRecorder",
-    "StepSpan",
     "StorageCounter",
-    "StorageMap",
-    "Tally",
     "device_rates",
-    "differentiable",
     "dispatch_cost",
     "is_measuring",
     "measure_inputs",
     "measure_peak",
-    "outputs_of",
     "outside_fake",
     "packet_name",
-    "policy_watch",
     "ready_libraries",
     "region_bytes",
     "resolve_targets",
-    "saving",
     "selective_cost",
     "should_show",
     "step_device",

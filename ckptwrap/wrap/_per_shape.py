@@ -8,7 +8,7 @@ and starts the step; the forward hook hands it the output, whose tensors it watc
 the backward to reach them; the end of the backward is queued on autograd's engine, and
 the step hands the planner what it measured there. The step's meter (a dispatch mode) is
 on the caller's mode stack during the forward alone and goes through the backward node
-by node (``measure.StepSpan``): nothing of ckptwrap's stays on any stack between steps.
+by node (``measure``'s step span): nothing of ckptwrap's stays on any stack between steps.
 
 Switching marks only between forwards is safe for a backward still pending: each
 forward captured the function and options it ran with, and its recomputation uses those.

@@ -16,7 +16,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ckptwrap
-from ckptwrap.measure import StorageCounter, outputs_of, tensors
+from ckptwrap.measure import StorageCounter, tensors
+from ckptwrap.measure._peak import outputs_of
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from gpt import GPT, GPTConfig  # noqa: E402
