@@ -43,7 +43,7 @@ from ..measure import ModelProfile, ProgressBar, device_rates, measure_inputs, r
 from ._code_checkpoints import checkpointed_by_code, say_left_to_code
 from ._max_shapes import check_max_shapes
 from ._forwards import marking
-from ._region import run_measured_region
+from ._region import run_unswitched_region
 from ..engine import CheckpointOptions, options_from
 from ._selective import SelectiveContexts
 from ._wrapper import refuse_torchscript
@@ -222,7 +222,7 @@ def shape_planner(
     context_fn = options.context_fn
     settings = PlanSettings(
         candidates=tuple((entry.name, entry.kind) for entry in unmeasured.selected),
-        run_region=run_measured_region,
+        run_region=run_unswitched_region,
         budget=budget,
         save_policy=context_fn.args[0] if isinstance(context_fn, SelectiveContexts) else None,
         # Segments run on the non-re-entrant engine only.
@@ -335,7 +335,7 @@ def profile_modules(
     )
     try:
         profile = measure_inputs(
-            model, targets, args, dict(kwargs or {}), run_region=run_measured_region, loss_fn=loss_fn, save_policy=save_policy,
+            model, targets, args, dict(kwargs or {}), run_region=run_unswitched_region, loss_fn=loss_fn, save_policy=save_policy,
             preserve_rng_state=preserve_rng_state, timed=repeats > 0, bar=bar, train=False,
         )
     finally:

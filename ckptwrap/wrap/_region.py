@@ -41,8 +41,8 @@ from ._switch import is_disabled
 __all__ = [
     "region_switched_off",
     "RngSnapshot",
+    "run_unswitched_region",
     "run_offloaded",
-    "run_measured_region",
     "run_region",
     "run_segment",
 ]
@@ -66,26 +66,19 @@ def run_region(
         kwargs: Keyword arguments.
         options: Engine options.
     """
-    compiling = torch.compiler.is_compiling()
-    if _switched_off(compiling):
+    if _switched_off(torch.compiler.is_compiling()):
         return call(*args, **kwargs)
-    return _checkpointed(owner, call, args, kwargs, options, compiling)
+    return run_unswitched_region(owner, call, args, kwargs, options)
 
 
-def run_measured_region(
-    owner: torch.nn.Module, call: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
+def run_unswitched_region(
+    owner: Any, call: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
     options: CheckpointOptions,
 ) -> Any:
-    """:func:`run_region` for a region of a step the planner measures: checkpointed even
-    where ckptwrap's regions are switched off (:func:`ckptwrap.disabled`), as the region
-    is the planner's, not one of the model's marks."""
-    return _checkpointed(owner, call, args, kwargs, options, torch.compiler.is_compiling())
-
-
-def _checkpointed(
-    owner: Any, call: Callable[..., Any], args: Tuple[Any, ...], kwargs: Dict[str, Any],
-    options: CheckpointOptions, compiling: bool,
-) -> Any:
+    """:func:`run_region` whether or not ckptwrap's regions are switched off
+    (:func:`ckptwrap.disabled`): how a step the planner measures runs its regions, which
+    are the planner's, not the model's marks."""
+    compiling = torch.compiler.is_compiling()
     if options.use_reentrant and not compiling:
         check_reentrant_region(owner)
     if isinstance(owner, torch.nn.Module) and not compiling:
