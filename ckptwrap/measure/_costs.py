@@ -62,10 +62,9 @@ import dataclasses
 import functools
 import time
 from collections import defaultdict
-from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Tuple
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 from torch.utils.flop_counter import flop_registry
 
@@ -133,6 +132,10 @@ class OpCost:
         return dataclasses.asdict(self)
 
 
+Listener = Callable[[Any, Tuple[Any, ...], Dict[str, Any], Any], None]
+"""Told an operator the phase meter counted: ``(func, args, kwargs, out)``."""
+
+
 @functools.lru_cache(maxsize=None)
 def packet_name(func: Any) -> str:
     """The name of an operator's overload packet: how profiler and selective policy name
@@ -141,40 +144,22 @@ def packet_name(func: Any) -> str:
     return getattr(packet, "__name__", str(packet))
 
 
-class _Counted(TorchDispatchMode):
-    """Runs every operator, numbering each call per packet as selective checkpointing does."""
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False  # never compiled: no wrapper around every operator
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._counts: Dict[str, int] = defaultdict(int)
-
-    def _number(self, func: Any) -> Tuple[str, int]:
-        name = packet_name(func)
-        occurrence = self._counts[name]
-        self._counts[name] += 1
-        return name, occurrence
-
-
-class OpRecorder(_Counted):
+class OpRecorder:
     """Records the operators of one module call with autograd on: new output bytes, FLOPs,
     and, through ``tally`` (the saved-tensors tally of the same forward), what autograd saves.
 
-    A storage is new if no tensor met so far (an operator's argument or output) had it:
-    views and in-place results are not new. Outputs are never kept alive here, so the
-    forward's memory is as it would be without the recorder.
+    It is no dispatch mode of its own: the phase meter's counter, which every operator of a
+    measured forward passes through already, tells it each operator after counting it,
+    while it listens (:meth:`PhaseMeter.recording`). Calls are numbered per packet as
+    selective checkpointing numbers them. A storage is new if no tensor met so far (an
+    operator's argument or output) had it: views and in-place results are not new.
+    Outputs are never kept alive here, so the forward's memory is as it would be without
+    the recorder.
     """
 
     def __init__(self, tally: Tally) -> None:
-        super().__init__()
         self._tally = tally
+        self._counts: Dict[str, int] = defaultdict(int)
         # Every storage met so far, with the entry of the operator that created it (None
         # for those the module was given).
         self._seen: StorageMap[Optional[List[Any]]] = StorageMap()
@@ -184,13 +169,13 @@ class OpRecorder(_Counted):
         self.created_bytes = 0
         """Bytes of the new storages the operators made, freed or not."""
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
-        if kwargs is None:
-            kwargs = {}
-        out = func(*args, **kwargs)
+    def __call__(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any) -> None:
+        """``func`` ran on ``args`` and ``kwargs`` and returned ``out``: record it."""
         if func in SAC_IGNORED_OPS:
-            return out
-        name, occurrence = self._number(func)
+            return
+        name = packet_name(func)
+        occurrence = self._counts[name]
+        self._counts[name] = occurrence + 1
         fresh = outputs_of(func)
         if fresh is None:
             # The schema does not tell new outputs from inputs: every input is met.
@@ -218,7 +203,6 @@ class OpRecorder(_Counted):
                     # storage then, and tells us through the claim.
                     self._tally.claims[storage] = _Saved(entry)
         self._ops.append(entry)
-        return out
 
     def ops(self) -> List[OpCost]:
         """What was recorded, in call order."""
@@ -261,11 +245,36 @@ def _writes(func: Any) -> Tuple[Tuple[Optional[int], str], ...]:
 
 def op_flops(func: Any, out: Any, args: Any, kwargs: Dict[str, Any]) -> int:
     """FLOPs of one operator call, as torch's FLOP counter counts them (0 where it has
-    no formula)."""
+    no formula). Its formulas read shapes alone: each operator and set of shapes is
+    counted once (the counter's own walk over the arguments costs more than most small
+    operators), up to :data:`_FLOPS_KEPT` of them at a time."""
     counter = flop_registry.get(getattr(func, "overloadpacket", func))
     if counter is None:
         return 0
-    return int(counter(*args, **kwargs, out_val=out))
+    try:
+        key = (func, _shapes(args), _shapes(kwargs.values()), tuple(kwargs))
+        known = _FLOPS.get(key)
+    except (TypeError, RuntimeError):  # a symbolic size, or a tensor with none: no key
+        return int(counter(*args, **kwargs, out_val=out))
+    if known is None:
+        if len(_FLOPS) >= _FLOPS_KEPT:
+            _FLOPS.clear()
+        known = _FLOPS[key] = int(counter(*args, **kwargs, out_val=out))
+    return known
+
+
+_FLOPS: Dict[Tuple[Any, ...], int] = {}
+_FLOPS_KEPT = 4096
+
+
+def _shapes(values: Any) -> Tuple[Any, ...]:
+    """``values`` with each tensor as its shape: what a FLOP formula reads."""
+    return tuple(
+        value.shape if isinstance(value, torch.Tensor)
+        else _shapes(value) if isinstance(value, (list, tuple))
+        else value
+        for value in values
+    )
 
 
 def merge_calls(so_far: Optional[List[OpCost]], call: List[OpCost], first: bool) -> Optional[List[OpCost]]:
@@ -436,6 +445,22 @@ class PhaseMeter:
         if self._counter is not None and not self.finished:
             self._counter.adopt(tensor)
 
+    @contextlib.contextmanager
+    def recording(self, *listeners: Optional[Listener]) -> Iterator[None]:
+        """Tell ``listeners`` (those not None) every operator the meter counts in the
+        block, after counting it, with its arguments and output; nothing once finished."""
+        counter = self._counter
+        listening = [listener for listener in listeners if listener is not None]
+        if counter is None or self.finished or not listening:
+            yield
+            return
+        counter.listeners.extend(listening)
+        try:
+            yield
+        finally:
+            for listener in listening:
+                counter.listeners.remove(listener)
+
     def window(self) -> "_OpenWindow":
         """Start following a stretch of the phase in progress; close the returned window
         where it ends."""
@@ -468,13 +493,20 @@ class _OpenWindow:
 
 class _PhaseCounter(StorageCounter):
     """The storage counter, with the moments of the phase in progress and of any open
-    windows."""
+    windows, that tells its listeners (``OpRecorder``, ``policy_listener``) each operator
+    it counted: one dispatch mode per operator, however many listen."""
 
     def __init__(self, device_type: str) -> None:
         super().__init__(device_type, trace=True, workspaces=device_type == "cpu")
         self._phase_peak = 0
         self._phase_start = 0
         self.windows: List[_OpenWindow] = []
+        self.listeners: List[Listener] = []
+
+    def _record(self, func: Any, out: Any, args: Any, kwargs: Any) -> None:
+        StorageCounter._record(self, func, out, args, kwargs)
+        for listener in self.listeners:
+            listener(func, args, kwargs, out)
 
     def _add(self, nbytes: int) -> None:
         # Once per storage an operator makes: kept to plain statements.

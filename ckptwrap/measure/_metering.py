@@ -64,7 +64,7 @@ import math
 import sys
 import time
 import weakref
-from typing import Any, Callable, ContextManager, Dict, List, Optional, Sequence, TextIO, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Sequence, TextIO, Tuple
 
 import torch
 from torch import nn
@@ -75,7 +75,7 @@ from .._errors import CheckpointConfigError
 from .._hf import fresh_caches
 from .._warn import note
 from ..engine import CheckpointOptions, graph_nodes, is_recomputing, observe_saved, reaches_reentrant, saved_observer
-from ._storages import SavePolicy, StorageMap, Tally, differentiable, policy_watch, tensor_storages, tensors
+from ._storages import SavePolicy, StorageMap, Tally, differentiable, policy_listener, tensor_storages, tensors
 from ._costs import ModelProfile, ModuleCost, OpCost, OpRecorder, PhaseMeter, Window, by_phase, merge_calls
 from ._unreal import measure_unreal, step_device, unreal
 
@@ -101,6 +101,7 @@ __all__ = [
     "dispatch_cost",
     "is_measuring",
     "measure_inputs",
+    "recording_cost",
     "resolve_targets",
     "should_show",
     "selective_cost",
@@ -119,6 +120,20 @@ def dispatch_cost() -> float:
     from ._costs import PhaseMeter  # the meter whose cost this is
 
     return _added_per_op(lambda: PhaseMeter(torch.device("cpu")))
+
+
+@functools.lru_cache(maxsize=1)
+def recording_cost() -> float:
+    """:func:`dispatch_cost` with a candidate's operator recorder listening: what one
+    operator of a measured forward costs beyond running."""
+    from ._costs import OpRecorder, PhaseMeter
+
+    @contextlib.contextmanager
+    def recorded() -> Iterator[None]:
+        with PhaseMeter(torch.device("cpu")) as meter, meter.recording(OpRecorder(Tally())):
+            yield
+
+    return _added_per_op(recorded)
 
 
 @functools.lru_cache(maxsize=1)
@@ -575,7 +590,7 @@ class Call:
     policy_tally: Tally
     ops: OpRecorder
     started: float
-    policy_mode: Any = None
+    listening: Any = None  # a nested call's: the meter's recording of its operators
 
     def release(self) -> None:
         """Drop the call's arguments and input tensors. Held until the region's backward,
@@ -763,8 +778,8 @@ class CallBook:
             for field in dataclasses.fields(ModuleCost)
             if hasattr(record, field.name)
         }
-        # A forward measured inside two dispatch modes (the meter and the recorder).
-        forward = max(0.1 * record.forward_seconds, record.forward_seconds - 2 * record.forward_ops * dispatch_cost())
+        # A forward measured: counted and recorded operator by operator.
+        forward = max(0.1 * record.forward_seconds, record.forward_seconds - record.forward_ops * recording_cost())
         recompute = record.recompute_seconds if record.recomputed else forward
         if not timed or not record.calls:
             forward = recompute = 0.0
@@ -958,8 +973,12 @@ class StepRecorder:
                 self.phases.cut(f"backward:{record.name}")
         if frame is None:
             return call(*args, **kwargs)
-        with frame.ops, policy_watch(self._policy, frame.policy_tally):
+        with self._recording(frame):
             return call(*args, **kwargs)
+
+    def _recording(self, frame: Call) -> Any:
+        """The meter tells the call's recorders each operator of its forward."""
+        return self.phases.recording(frame.ops, policy_listener(self._policy, frame.policy_tally))
 
     def _nested_pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         record = self._book.records[id(module)]
@@ -970,10 +989,8 @@ class StepRecorder:
             return None
         frame = self._guarded(self._book.begin, record, tuple(args), dict(kwargs))
         if frame is not None:
-            frame.ops.__enter__()
-            if self._policy is not None:
-                frame.policy_mode = policy_watch(self._policy, frame.policy_tally)
-                frame.policy_mode.__enter__()
+            frame.listening = self._recording(frame)
+            frame.listening.__enter__()
         return None
 
     def _nested_post(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -986,9 +1003,8 @@ class StepRecorder:
         frame = next((f for f in reversed(self._book.stack) if f.record is record), None)
         if frame is None:
             return None
-        if frame.policy_mode is not None:
-            frame.policy_mode.__exit__(None, None, None)
-        frame.ops.__exit__(None, None, None)
+        if frame.listening is not None:
+            frame.listening.__exit__(None, None, None)
         self._guarded(self._book.end, frame, output)
         return None
 

@@ -6,22 +6,21 @@ addresses it holds, so a storage allocated where a freed one was is never taken 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Any, Callable, Dict, Generic, Iterable, Iterator, List, Optional, Tuple, TypeVar
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
-from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
+from torch.utils.checkpoint import SAC_IGNORED_OPS, CheckpointPolicy, SelectiveCheckpointContext
 
 __all__ = [
     "SavePolicy",
     "StorageMap",
     "Tally",
     "differentiable",
-    "policy_watch",
+    "policy_listener",
     "saving",
     "tensor_storages",
     "tensors",
@@ -225,22 +224,21 @@ def saving(tally: Tally) -> torch.autograd.graph.saved_tensors_hooks:
     return torch.autograd.graph.saved_tensors_hooks(tally.pack, lambda tensor: tensor)
 
 
-class _PolicyTally(TorchDispatchMode):
+class _PolicyTally:
     """Notes in ``tally`` the outputs of the operators that ``policy`` would save."""
 
     def __init__(self, policy: SavePolicy, tally: Tally) -> None:
-        super().__init__()
         self._policy, self._tally = policy, tally
         self._context = SelectiveCheckpointContext(is_recompute=False)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: D105
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+    def __call__(self, func: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any], out: Any) -> None:
+        if func in SAC_IGNORED_OPS:  # never asked of the policy by the engine either
+            return
         if self._policy(self._context, func, *args, **kwargs) in _SAVES:
             self._tally.add_tensors(tensors(out))
-        return out
 
 
-def policy_watch(policy: Optional[SavePolicy], tally: Tally) -> Any:
-    """A context that notes in ``tally`` what ``policy`` saves; nothing without a policy."""
-    return contextlib.nullcontext() if policy is None else _PolicyTally(policy, tally)
+def policy_listener(policy: Optional[SavePolicy], tally: Tally) -> Optional[Callable[..., None]]:
+    """A listener of the phase meter's (``PhaseMeter.recording``) that notes in ``tally``
+    what ``policy`` saves; None without a policy."""
+    return None if policy is None else _PolicyTally(policy, tally)

@@ -93,6 +93,7 @@ from ..measure import (
     dispatch_cost,
     measure_inputs,
     outside_fake,
+    recording_cost,
     region_bytes,
     resolve_targets,
     selective_cost,
@@ -609,6 +610,7 @@ class ShapePlanner:
         # What a measuring dispatch mode costs per operator, read now, outside any step
         # (reading it inside one would count its own tensors).
         dispatch_cost()
+        recording_cost()
         if settings.levels or settings.save_policy is not None:
             selective_cost()
         self.settings = settings
