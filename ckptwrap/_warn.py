@@ -12,11 +12,11 @@ import logging
 import os
 import sys
 import warnings
-from typing import Type
+from typing import Any, Type
 
 import torch
 
-__all__ = ["note", "warn"]
+__all__ = ["debugging", "note", "note_step", "warn"]
 
 _log = logging.getLogger("ckptwrap")
 
@@ -44,6 +44,19 @@ def warn(message: str, category: Type[Warning] = UserWarning, *, repeat: bool = 
     warnings.warn_explicit(message, category, frame.f_code.co_filename, frame.f_lineno, module=module)
 
 
-def note(message: str) -> None:
-    """A routine note (a plan made or switched): the ``ckptwrap`` logger, at INFO."""
-    _log.info(message)
+def note(message: str, **step: Any) -> None:
+    """A routine note (a plan made or switched): the ``ckptwrap`` logger, at INFO; a note
+    of one training step carries ``step`` as the record's ``ckptwrap_step``."""
+    _log.info(message, extra={"ckptwrap_step": step} if step else None)
+
+
+def debugging() -> bool:
+    """Whether the ``ckptwrap`` logger takes DEBUG records: build a step's note only then."""
+    return _log.isEnabledFor(logging.DEBUG)
+
+
+def note_step(message: str, **step: Any) -> None:
+    """A note of one training step too routine for INFO (what a lazy budget ran it under,
+    a check that held): the ``ckptwrap`` logger at DEBUG, with ``step`` as the record's
+    ``ckptwrap_step``."""
+    _log.debug(message, extra={"ckptwrap_step": step})

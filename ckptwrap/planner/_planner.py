@@ -85,7 +85,7 @@ from torch import nn
 
 from .. import _torch_private
 from .._errors import CheckpointConfigError
-from .._warn import note, warn
+from .._warn import debugging, note, note_step, warn
 from ..measure import (
     ModelProfile,
     SpanPeak,
@@ -688,6 +688,8 @@ class ShapePlanner:
             )
         elif decision.choice is not None and decision.check and not overlapping:
             meter = SpanPeak(device, reset=decision.reset)
+        if debugging():
+            _note_begun(model, decision, measured=recorder is not None, checked=meter is not None)
         return PlannedStep(model, self, decision, recorder, meter, on_measured)
 
     def decide(
@@ -781,10 +783,13 @@ class ShapePlanner:
         self._forget_plans(costs)
         if not decision.learn:  # a step measured to learn was itself the fit's test
             self._schedule.soon()
-        note(
+        message = (
             f"ckptwrap measured a training step at inputs of {decision.describe()} "
-            f"({profile.step.total / 2**20 if profile.step else 0:.1f} MiB under the plan of least "
-            f"memory): {said}."
+            f"({_mib(profile.step.total if profile.step else 0)} under the plan of least memory): {said}."
+        )
+        note(
+            message, event="measured", inputs=decision.describe(), sizes=tuple(decision.sizes),
+            peak=profile.step.total if profile.step else None,
         )
 
     def _measured_plan(self, decision: Decision, profile: ModelProfile) -> Tuple[Optional[int], int]:
@@ -842,8 +847,18 @@ class ShapePlanner:
             self._schedule.inconclusive()
             return
         self.checks += 1
+        fields = dict(
+            event="checked", inputs=decision.describe(), sizes=tuple(decision.sizes), peak=peak,
+            predicted_peak=choice.predicted_peak, missed=share > _MISS,
+        )
         if share <= _MISS:
             self._schedule.hit()
+            if debugging():
+                note_step(
+                    f"ckptwrap checked a training step at inputs of {decision.describe()}: it peaked at "
+                    f"{_mib(peak)}, {_mib(choice.predicted_peak)} predicted",
+                    **fields,
+                )
             return
         costs.missed(decision.sizes, share + decision.margin * choice.plain_peak / plain, decision.source)
         self._forget_plans(costs)
@@ -851,7 +866,8 @@ class ShapePlanner:
         note(
             f"ckptwrap's plan at inputs of {decision.describe()} peaked {share:.1%} of the "
             f"un-checkpointed peak above its prediction ({decision.source} costs); plans of these "
-            f"inputs now keep {costs.margin:.1%} free."
+            f"inputs now keep {costs.margin:.1%} free.",
+            **fields,
         )
 
     # ------------------------------------------------------------------ given inputs
@@ -990,6 +1006,32 @@ class ShapePlanner:
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
+
+
+def _note_begun(model: nn.Module, decision: Decision, *, measured: bool, checked: bool) -> None:
+    """What a training forward runs under, noted at DEBUG (see docs/budget.md)."""
+    choice = decision.choice
+    if measured:
+        how = "measured under the plan of least memory" + (", to learn" if decision.learn else "")
+    elif choice is None:
+        how = "the plan of least memory, unmeasured"
+    else:
+        how = (
+            f"{len(choice.entries)} checkpointed, {_mib(choice.predicted_peak)} predicted"
+            + (f" for a budget of {_mib(choice.budget)}" if choice.budget is not None else "")
+            + (f" ({decision.source} costs)" if decision.source else "")
+            + ("" if choice.reachable else ", out of reach")
+            + (", checked" if checked else "")
+        )
+    note_step(
+        f"ckptwrap: a training forward of {type(model).__name__} at inputs of {decision.describe()}: {how}",
+        event="forward", model=type(model).__name__, inputs=decision.describe(), sizes=tuple(decision.sizes),
+        measured=measured, learning=measured and decision.learn, checked=checked,
+        source=decision.source or None,
+        checkpointed=None if measured or choice is None else tuple(entry.name for entry in choice.entries),
+        predicted_peak=None if measured or choice is None else choice.predicted_peak,
+        budget=None if measured or choice is None else choice.budget,
+    )
 
 
 class PlannedStep:

@@ -53,10 +53,6 @@ def _planner(model: nn.Module):
     return next(h for h in model._forward_pre_hooks.values() if hasattr(h, "planner")).planner
 
 
-def _hook(model: nn.Module):
-    return next(h for h in model._forward_pre_hooks.values() if hasattr(h, "planner"))
-
-
 def _no_learning(monkeypatch) -> None:
     # Measuring to learn is what a bound saves: off here, so that each step shows what
     # stands without it.
@@ -97,63 +93,61 @@ def _run(model, plain, budget, rows, length, largest):
     return largest
 
 
-def test_a_shape_smaller_than_one_measured_is_solved_from_its_costs(monkeypatch):
+def test_a_shape_smaller_than_one_measured_is_solved_from_its_costs(monkeypatch, noted_steps):
     _no_learning(monkeypatch)
     model, plain, budget = _budgeted((4, 192))
     largest = _run(model, plain, budget, 4, 192, 0)
-    planner = _planner(model)
-    assert planner.measurements == 1
+    assert noted_steps.measured == 1
     for rows, length in [(4, 64), (2, 150), (3, 191), (1, 30)]:
         largest = _run(model, plain, budget, rows, length, largest)
-        decision = _hook(model).current.decision
-        assert not decision.measure and decision.source == "bounded", (rows, length, decision.source)
+        forward = noted_steps.forward
+        assert not forward["measured"] and forward["source"] == "bounded", (rows, length, forward)
         assert model.ckptwrap_plan.costs_from == "bounded"
-    assert planner.measurements == 1, "a shape below the measured one was measured"
+    assert noted_steps.measured == 1, "a shape below the measured one was measured"
 
 
-def test_a_shape_a_little_larger_than_one_measured_is_solved_from_its_costs_scaled_up(monkeypatch):
+def test_a_shape_a_little_larger_than_one_measured_is_solved_from_its_costs_scaled_up(monkeypatch, noted_steps):
     _no_learning(monkeypatch)
     model, plain, budget = _budgeted((4, 200))
     largest = _run(model, plain, budget, 4, 160, 0)
     planner = _planner(model)
-    measured = planner.measurements
+    measured = noted_steps.measured
     for rows, length in [(4, 168), (4, 172)]:
         largest = _run(model, plain, budget, rows, length, largest)
-        decision = _hook(model).current.decision
-        assert not decision.measure and decision.source == "scaled", (rows, length, decision.source)
+        forward = noted_steps.forward
+        assert not forward["measured"] and forward["source"] == "scaled", (rows, length, forward)
         assert model.ckptwrap_plan.costs_from == "scaled"
         scale = (length / 160) ** 2
         measured_peak = planner._layouts.of(_batch(4, 160), {})[0].profiles[(4, 160)].step.total
         bound = planner._layouts.of(_batch(rows, length), {})[0].profile_at((rows, length)).step.total
         assert bound >= scale * measured_peak - 64, (bound, scale, measured_peak)
-    assert planner.measurements == measured
+    assert noted_steps.measured == measured
 
 
-def test_a_shape_far_larger_than_any_measured_is_measured_not_warned_about(monkeypatch):
+def test_a_shape_far_larger_than_any_measured_is_measured_not_warned_about(monkeypatch, noted_steps):
     _no_learning(monkeypatch)
     model, plain, budget = _budgeted((4, 224))
     largest = _run(model, plain, budget, 4, 16, 0)
-    planner = _planner(model)
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         largest = _run(model, plain, budget, 4, 224, largest)
     # A bound 196 times the measured costs fits no plan: the shape is measured, and no
     # "no plan fits" is said of it.
     assert not [w for w in said if "no plan fits" in str(w.message)]
-    assert _hook(model).current.decision.measure
-    assert planner.measurements == 2
+    assert noted_steps.forward["measured"]
+    assert noted_steps.measured == 2
 
 
-def test_a_share_of_the_plain_peak_at_a_larger_shape_is_read_by_measuring_it(monkeypatch):
+def test_a_share_of_the_plain_peak_at_a_larger_shape_is_read_by_measuring_it(monkeypatch, noted_steps):
     _no_learning(monkeypatch)
     model = ckptwrap.wrap_model(_gpt(), "budget:50%")
     _step(model, _batch(4, 160))
     _step(model, _batch(4, 168))  # within a bound's reach, but the share's reference moves
-    assert _hook(model).current.decision.measure
+    assert noted_steps.forward["measured"]
     _step(model, _batch(4, 100))  # below: the reference stands
-    decision = _hook(model).current.decision
-    assert not decision.measure and decision.source == "bounded"
-    assert _planner(model).measurements == 2
+    forward = noted_steps.forward
+    assert not forward["measured"] and forward["source"] == "bounded"
+    assert noted_steps.measured == 2
 
 
 _SIZE = 1 << 20
@@ -186,16 +180,16 @@ def test_measuring_to_learn_waits_for_its_share_of_the_training_time():
     assert _steps_until_learning(schedule, 0.10) == pytest.approx(steps, abs=1.5)
 
 
-def test_with_learning_on_a_bounded_shape_is_measured_once_the_share_allows(monkeypatch):
+def test_with_learning_on_a_bounded_shape_is_measured_once_the_share_allows(monkeypatch, noted_steps):
     monkeypatch.setattr("ckptwrap.planner._planner.LEARN_SHARE", 1e9)
     model = ckptwrap.wrap_model(_gpt(), "budget:200MiB")
     _step(model, _batch(4, 160))
     for length in (100, 110, 120):  # solved from the bound until a step is timed unmetered
         _step(model, _batch(4, length))
-        if _hook(model).current.decision.measure:
+        if noted_steps.forward["measured"]:
             break
-    assert _hook(model).current.decision.measure, "learning never measured"
-    assert _planner(model).measurements == 2
+    assert noted_steps.forward["measured"], "learning never measured"
+    assert noted_steps.measured == 2
 
 
 def test_a_bound_out_of_reach_is_given_up_without_the_unbounded_search(monkeypatch):
@@ -237,7 +231,7 @@ def _count(monkeypatch, module: str, name: str) -> list:
     return calls
 
 
-def test_shapes_one_measured_shape_bounds_share_one_solve(monkeypatch):
+def test_shapes_one_measured_shape_bounds_share_one_solve(monkeypatch, noted_steps):
     """A loop with dynamic padding meets a new shape at most steps: those one measured
     shape bounds are solved on the same costs, so once, not once per shape."""
     _no_learning(monkeypatch)
@@ -247,13 +241,13 @@ def test_shapes_one_measured_shape_bounds_share_one_solve(monkeypatch):
     plans = []
     for rows, length in [(4, 180), (3, 150), (4, 121), (2, 190), (3, 177), (4, 160)]:
         largest = _run(model, plain, budget, rows, length, largest)
-        assert _hook(model).current.decision.source == "bounded"
+        assert noted_steps.forward["source"] == "bounded"
         plans.append(model.ckptwrap_plan.names)
     assert len(solves) == 1, len(solves)
     assert all(names == plans[0] for names in plans) and plans[0]  # checkpointed, within the budget
 
 
-def test_scaled_shapes_between_two_grid_steps_share_one_bound(monkeypatch):
+def test_scaled_shapes_between_two_grid_steps_share_one_bound(monkeypatch, noted_steps):
     _no_learning(monkeypatch)
     model, plain, budget = _budgeted((4, 200))
     largest = _run(model, plain, budget, 4, 160, 0)
@@ -261,7 +255,7 @@ def test_scaled_shapes_between_two_grid_steps_share_one_bound(monkeypatch):
     # (length / 160) ** 2 of 1.0125 and 1.025: within one step of the grid (2 ** (1/16)).
     for length in (161, 162):
         largest = _run(model, plain, budget, 4, length, largest)
-        assert _hook(model).current.decision.source == "scaled"
+        assert noted_steps.forward["source"] == "scaled"
     assert len(solves) == 1
     costs = _planner(model)._layouts.of(_batch(4, 160), {})[0]
     bounds = [costs.profile_at((4, length)) for length in (161, 162)]
@@ -270,7 +264,7 @@ def test_scaled_shapes_between_two_grid_steps_share_one_bound(monkeypatch):
     assert bounds[0].step.total >= (162 / 160) ** 2 * measured_peak - 64  # still a bound
 
 
-def test_a_scaled_bound_worked_out_a_step_or_two_higher_is_taken_as_it_is(monkeypatch):
+def test_a_scaled_bound_worked_out_a_step_or_two_higher_is_taken_as_it_is(monkeypatch, noted_steps):
     """A shape whose scaled bound falls one or two steps of the grid below one already
     worked out (from the same measured shape) is planned from that one: a larger bound,
     its plan solved already. One further below gets its own, solved once."""
@@ -282,7 +276,7 @@ def test_a_scaled_bound_worked_out_a_step_or_two_higher_is_taken_as_it_is(monkey
     # (length / 160) ** 2 on the grid of 2 ** (1/16): steps 6, 4, 2 and 2.
     for length in (180, 172, 166, 164):
         largest = _run(model, plain, budget, 4, length, largest)
-        assert _hook(model).current.decision.source == "scaled"
+        assert noted_steps.forward["source"] == "scaled"
         costs = _planner(model)._layouts.of(_batch(4, 160), {})[0]
         measured_peak = costs.profiles[(4, 160)].step.total
         seen[length] = costs.profile_at((4, length))
@@ -293,7 +287,7 @@ def test_a_scaled_bound_worked_out_a_step_or_two_higher_is_taken_as_it_is(monkey
     assert len(solves) == 2  # 180's and 166's
 
 
-def test_many_shapes_under_one_plan_keep_what_is_kept_of_them_bounded(monkeypatch):
+def test_many_shapes_under_one_plan_keep_what_is_kept_of_them_bounded(monkeypatch, noted_steps):
     """Every shape a measured shape bounds is planned from its one solve; what is kept of
     each (its un-checkpointed peak) stays bounded however many shapes come."""
     _no_learning(monkeypatch)
@@ -302,7 +296,7 @@ def test_many_shapes_under_one_plan_keep_what_is_kept_of_them_bounded(monkeypatc
     solves = _count(monkeypatch, "ckptwrap.planner._planner", "choose")
     for length in range(110, 200):
         _step(model, _batch(4, length))
-        assert _hook(model).current.decision.source == "bounded"
+        assert noted_steps.forward["source"] == "bounded"
     cache = _planner(model)._cache
     assert len(solves) == 1 and len(cache.plans) == 1
     assert len(cache.plain) <= 64

@@ -14,7 +14,7 @@ import ckptwrap
 from ckptwrap.planner._planner import SHARE, CheckSchedule
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_bounds import _batch, _gpt, _hook, _no_learning, _step  # noqa: E402
+from test_bounds import _batch, _gpt, _no_learning, _step  # noqa: E402
 
 _SMALL = 1 << 20
 _LARGE = 10 * _SMALL
@@ -96,16 +96,17 @@ def test_an_accelerator_checks_every_step():
     assert schedule.due(cheap=True, size=_LARGE)
 
 
-def test_after_a_measurement_the_cpu_checks_a_step_no_larger_than_those_so_far(monkeypatch):
+def test_after_a_measurement_the_cpu_checks_a_step_no_larger_than_those_so_far(monkeypatch, noted_steps):
     _no_learning(monkeypatch)
     model = ckptwrap.wrap_model(_gpt(), "budget:200MiB")
     _step(model, _batch(4, 160))  # measured
-    assert _hook(model).current.decision.measure
+    assert noted_steps.forward["measured"]
     _step(model, _batch(4, 100))  # the step after the measurement: unmetered
-    assert not _hook(model).current.decision.check
+    assert not noted_steps.forward["checked"]
     _step(model, _batch(4, 120))  # larger than the steps timed so far: not metered
-    decision = _hook(model).current.decision
-    assert not decision.measure and not decision.check
+    assert not noted_steps.forward["measured"] and not noted_steps.forward["checked"]
     _step(model, _batch(4, 80))  # smaller: the check the measurement calls for
-    decision = _hook(model).current.decision
-    assert not decision.measure and decision.check
+    assert not noted_steps.forward["measured"] and noted_steps.forward["checked"]
+    # The check is told at the end of its backward, with the peak it read.
+    checked = noted_steps.of("checked")
+    assert len(checked) == 1 and checked[0]["sizes"] == (4, 80) and checked[0]["peak"] > 0

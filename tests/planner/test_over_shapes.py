@@ -33,10 +33,6 @@ _NEW = [(3, 96), (4, 160), (2, 200), (3, 224), (4, 48), (3, 40)]
 """Shapes between them, never measured."""
 
 
-def _planner(model: torch.nn.Module):
-    return next(h for h in model._forward_pre_hooks.values() if hasattr(h, "planner")).planner
-
-
 def _peak(model, name: str, rows: int, length: int) -> int:
     workload = ZOO[name](rows, length)
     model.zero_grad(set_to_none=True)
@@ -51,7 +47,7 @@ def _peak(model, name: str, rows: int, length: int) -> int:
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_step_peaks_at_shapes_never_measured_are_predicted_within_5_percent(name, monkeypatch):
+def test_step_peaks_at_shapes_never_measured_are_predicted_within_5_percent(name, monkeypatch, noted_steps):
     # Learning as fast as it can: every learning shape without trusted costs is measured
     # (in a loop, measuring to learn is held to a share of the training time, and a
     # bound from the shapes measured stands in meanwhile).
@@ -63,8 +59,7 @@ def test_step_peaks_at_shapes_never_measured_are_predicted_within_5_percent(name
     model = ckptwrap.wrap_model(largest.model, f"budget:{reference.plain_peak // 2}B")
     for rows, length in _LEARNED:
         _peak(model, name, rows, length)
-    planner = _planner(model)
-    measured = planner.measurements
+    measured = noted_steps.measured
     assert measured < len(_LEARNED), "some learning shapes were solves already"
     checkpointed = set()
     for rows, length in _NEW:
@@ -74,17 +69,18 @@ def test_step_peaks_at_shapes_never_measured_are_predicted_within_5_percent(name
         plain_peak = _peak(plain, name, rows, length)
         assert abs(applied.predicted_peak - peak) <= TOLERANCE * peak, (rows, length, applied.predicted_peak, peak)
         assert abs(applied.plain_peak - plain_peak) <= TOLERANCE * plain_peak, (rows, length, applied.plain_peak, plain_peak)
-    assert planner.measurements == measured, "the fitted costs alone made the plans"
+    assert noted_steps.measured == measured, "the fitted costs alone made the plans"
     assert len(checkpointed) >= 2, checkpointed  # the plans differ from shape to shape
 
 
-def test_a_scalar_keyword_the_example_lacked_is_planned_without_measuring_again():
+def test_a_scalar_keyword_the_example_lacked_is_planned_without_measuring_again(noted_steps):
     # The Trainer adds num_items_in_batch (a 0-dim tensor) to the batch it passes.
     example = ZOO["gpt2"](4, 32)
     model = ckptwrap.wrap_model(example.model, "budget:60%", example_inputs=example.args,
                                 example_kwargs=example.kwargs)
-    measured_runs = _planner(model).measurements
     batch = dict(example.kwargs, num_items_in_batch=torch.tensor(4 * 31))
     example.loss(model(*example.args, **batch)).backward()
-    assert _planner(model).measurements == measured_runs, "measured again for a scalar"
-    assert len(_planner(model)._layouts) == 1
+    # Planned from the example's measured costs: the same layout of inputs, not a new one.
+    forward = noted_steps.forward
+    assert not forward["measured"], "measured again for a scalar"
+    assert forward["source"] == "measured" and forward["sizes"] == (4, 32), forward

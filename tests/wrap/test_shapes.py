@@ -245,7 +245,7 @@ def test_a_backward_pending_across_a_switch_is_unaffected(measured, unbounded):
     assert_same(*[gradients for _, gradients in results], "gradients")
 
 
-def test_example_inputs_measure_once_and_wrapping_again_changes_nothing(measured):
+def test_example_inputs_measure_once_and_wrapping_again_changes_nothing(measured, noted_steps):
     plain, percent = _gpt(), _percent()
     measured.clear()
     model = wrap_model(copy.deepcopy(plain), f"budget:{percent}%", example_inputs=_batch(256))
@@ -256,8 +256,8 @@ def test_example_inputs_measure_once_and_wrapping_again_changes_nothing(measured
     assert measured == [("inputs", 256, 1)]
     _same_step(model, plain, 256)  # a real step at the example's shape: a solve, checked
     assert measured == [("inputs", 256, 1)]
-    planner = next(h for h in model._forward_pre_hooks.values() if hasattr(h, "planner")).planner
-    assert planner.checks == 1
+    assert not noted_steps.forward["measured"] and noted_steps.forward["checked"]
+    assert len(noted_steps.of("checked")) == 1
 
 
 def test_batches_of_other_sizes_are_measured_until_the_fit_stands_for_them(measured, unbounded):
