@@ -68,7 +68,6 @@ import torch
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 from torch.utils.flop_counter import flop_registry
 
-from .. import _torch_private
 from ._peak import StorageCounter, outputs_of, ready_libraries
 from ._span import StepSpan
 from ._storages import StorageMap, Tally, tensor_storages, tensors
@@ -326,12 +325,6 @@ class Window(NamedTuple):
     seconds: float
     ops: int
     """How many operators ran in it (the meter's own cost grows with them)."""
-
-
-def profiler_running() -> bool:
-    """Whether a torch profiler (``torch.profiler`` or ``torch.autograd.profiler``) is
-    recording in this thread."""
-    return bool(_torch_private.profiler_enabled())
 
 
 class PhaseMeter:

@@ -540,10 +540,6 @@ class ProgressBar:
         if self._done >= self._total or now - self._last_draw >= _MIN_INTERVAL:
             self._draw(now)
 
-    def set_label(self, label: str) -> None:
-        """Change the text shown before the bar (for a new phase of the work)."""
-        self._label = label
-
     def close(self) -> None:
         """Finish the line, so that later output starts on a fresh one."""
         if self._enabled and self._drawn is not None:

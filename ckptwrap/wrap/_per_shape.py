@@ -142,7 +142,7 @@ class PlanPerShape:
             mark(model, plan)
             record_plan(model, plan)
             self.applied, self._observed = plan, False
-        if not self.__dict__.get("_said_unreal", False):
+        if not self._said_unreal:
             self._said_unreal = True
             warn(
                 f"{type(model).__name__}: a training forward ran where {why}: nothing is "

@@ -20,6 +20,7 @@ import dataclasses
 import datetime
 import gc
 import json
+import logging
 import os
 import sys
 import traceback
@@ -114,6 +115,7 @@ def mismatched(strategy: str, rank: int) -> Dict[str, Any]:
     example = synthetic_batch(dataclasses.replace(LONG, seq_len=200), 4, seed=0)
     budget = ckptwrap.plan(copy.deepcopy(model), "blocks", example_inputs=example).plain_peak // 2
     ckptwrap.wrap_model(model, f"budget:{budget}B")
+    measured = _MeasuredForwards()
     if strategy == "ddp":
         runner = DistributedDataParallel(model)
     else:
@@ -134,12 +136,35 @@ def mismatched(strategy: str, rank: int) -> Dict[str, Any]:
         plain.zero_grad(set_to_none=True)
         plain_peak = allocator_peak(lambda: plain(tokens, targets).backward())
         steps.append({"peak": peak, "plain": plain_peak, "checkpointed": len(model.ckptwrap_plan)})
-    hook = next(h for h in model._forward_pre_hooks.values() if hasattr(h, "planner"))
+    measured.close()
     params = {
         name: (param.full_tensor() if hasattr(param, "full_tensor") else param).detach().clone()
         for name, param in model.named_parameters()
     }
-    return {"budget": budget, "steps": steps, "measured": hook.planner.measurements, "params": params}
+    return {"budget": budget, "steps": steps, "measured": measured.count, "params": params}
+
+
+class _MeasuredForwards(logging.Handler):
+    """Counts the training forwards a lazy budget measured, as the ``ckptwrap`` logger says
+    them at DEBUG."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.count = 0
+        self._logger = logging.getLogger("ckptwrap")
+        self._level = self._logger.level
+        self._logger.addHandler(self)
+        self._logger.setLevel(logging.DEBUG)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        step = getattr(record, "ckptwrap_step", None)
+        if step is not None and step["event"] == "forward" and step["measured"]:
+            self.count += 1
+
+    def close(self) -> None:
+        self._logger.removeHandler(self)
+        self._logger.setLevel(self._level)
+        super().close()
 
 
 _TIMEOUT_S = 240
