@@ -31,6 +31,7 @@ from torch import nn
 
 import ckptwrap
 from _allocator import allocator_peak
+from _noted import NotedSteps
 
 __all__ = ["LOOPS", "MemoryResult", "TimeResult", "budget_for", "memory_pass", "schedule", "shortfalls", "time_pass"]
 
@@ -200,48 +201,48 @@ def memory_pass(
     try:
         result.budget = budget_for(arch, template, device, percent)
         ckptwrap.wrap_model(model, _policy(arch, result.budget, percent))
-        hook = next(h for h in model._forward_pre_hooks.values() if hasattr(h, "planner"))
-        optimizers = [torch.optim.SGD(m.parameters(), lr=_LR) for m in (model, plain)]
-        largest = 0
-        for index, forwards in enumerate(schedule(arch, loop, steps, grow=grow)):
-            for each, optimizer in zip((model, plain), optimizers):
-                optimizer.zero_grad(set_to_none=True)
-            for micro, forward in enumerate(forwards):
-                losses, peaks = [], []
-                for each in (model, plain):
-                    # The batch is made before the step, outside what its peak counts.
-                    batch = _inputs(each, arch, forward, device)
+        with NotedSteps() as noted:
+            optimizers = [torch.optim.SGD(m.parameters(), lr=_LR) for m in (model, plain)]
+            largest = 0
+            for index, forwards in enumerate(schedule(arch, loop, steps, grow=grow)):
+                for each, optimizer in zip((model, plain), optimizers):
+                    optimizer.zero_grad(set_to_none=True)
+                for micro, forward in enumerate(forwards):
+                    losses, peaks = [], []
+                    for each in (model, plain):
+                        # The batch is made before the step, outside what its peak counts.
+                        batch = _inputs(each, arch, forward, device)
 
-                    def step(each: nn.Module = each, batch: Dict[str, Any] = batch, forward: Step = forward) -> None:
-                        losses.append(_forward(each, arch, forward, loop != "loss", batch))
+                        def step(each: nn.Module = each, batch: Dict[str, Any] = batch, forward: Step = forward) -> None:
+                            losses.append(_forward(each, arch, forward, loop != "loss", batch))
 
-                    peaks.append(allocator_peak(step, device))
-                    del batch, step
-                if peaks[1] <= 0:
-                    raise RuntimeError("the allocator's events showed nothing allocated in a plain training step")
-                largest = max(largest, peaks[1])
-                followed = hook.current
-                solved = followed is not None and not followed.decision.measure and followed.decision.choice is not None
-                if solved and micro == 0:  # from fresh gradients, as plans are made for
-                    missed = (peaks[0] - followed.decision.choice.predicted_peak) / max(largest, 1)
-                    result.worst_prediction = max(result.worst_prediction, abs(missed))
-                    result.worst_under = max(result.worst_under, missed)
-                limit = result.budget
-                if percent:
-                    # A share of a short batch's peak may be out of any plan's reach (the
-                    # gradients alone pass it): the plan of least memory's, as predicted.
-                    applied = model.ckptwrap_plan
-                    limit = max(result.budget * largest / 100, applied.predicted_peak or 0)
-                over = (peaks[0] - limit) / max(largest, 1)
-                result.worst_over = max(result.worst_over, over)
-                result.steps_over += over > OVER
-                result.exact &= torch.equal(losses[0], losses[1]) and _same_grads(model, plain)
-            for optimizer in optimizers:
-                optimizer.step()
-            if loop == "accumulate" and (index + 1) % EVAL_EVERY == 0:
-                for each in (model, plain):
-                    _evaluate(each, arch, index, device)
-        result.measured, result.checked = hook.planner.measurements, hook.planner.checks
+                        peaks.append(allocator_peak(step, device))
+                        del batch, step
+                    if peaks[1] <= 0:
+                        raise RuntimeError("the allocator's events showed nothing allocated in a plain training step")
+                    largest = max(largest, peaks[1])
+                    # What the step ran under, as the planner says it (the logger's note).
+                    ran = noted.forward
+                    if ran["predicted_peak"] is not None and micro == 0:  # from fresh gradients, as plans are made for
+                        missed = (peaks[0] - ran["predicted_peak"]) / max(largest, 1)
+                        result.worst_prediction = max(result.worst_prediction, abs(missed))
+                        result.worst_under = max(result.worst_under, missed)
+                    limit = result.budget
+                    if percent:
+                        # A share of a short batch's peak may be out of any plan's reach (the
+                        # gradients alone pass it): the plan of least memory's, as predicted.
+                        applied = model.ckptwrap_plan
+                        limit = max(result.budget * largest / 100, applied.predicted_peak or 0)
+                    over = (peaks[0] - limit) / max(largest, 1)
+                    result.worst_over = max(result.worst_over, over)
+                    result.steps_over += over > OVER
+                    result.exact &= torch.equal(losses[0], losses[1]) and _same_grads(model, plain)
+                for optimizer in optimizers:
+                    optimizer.step()
+                if loop == "accumulate" and (index + 1) % EVAL_EVERY == 0:
+                    for each in (model, plain):
+                        _evaluate(each, arch, index, device)
+            result.measured, result.checked = noted.measured, noted.checked
         result.unchanged = _same_model(model, plain)
     except Exception as error:  # noqa: BLE001 - reported in the table
         result.error = f"{type(error).__name__}: {error}"[:200]

@@ -5,9 +5,9 @@ Hypothesis profiles: ``default`` keeps the suite fast; ``HYPOTHESIS_PROFILE=thor
 many more examples (for a nightly job or before a release).
 """
 
-import logging
 import os
-from typing import Any, Dict, List
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +15,9 @@ from hypothesis import HealthCheck, settings
 
 import ckptwrap
 from ckptwrap.wrap import _switch
+
+sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from _noted import NotedSteps  # noqa: E402  (what a handler of a user's would read)
 
 settings.register_profile("default", max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("thorough", max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -46,48 +49,9 @@ def _state_is_clean(_one_thread):
     assert isinstance(saved, torch.Tensor) and torch.equal(saved, x), "a saved-tensor hook leaked"
 
 
-class NotedSteps:
-    """The ``ckptwrap_step`` fields of every note the ``ckptwrap`` logger gave of a training
-    step (docs/budget.md, "What the planner says"), in order."""
-
-    def __init__(self) -> None:
-        self.all: List[Dict[str, Any]] = []
-
-    def of(self, event: str) -> List[Dict[str, Any]]:
-        """The notes of one kind: ``forward``, ``measured`` or ``checked``."""
-        return [step for step in self.all if step["event"] == event]
-
-    @property
-    def forward(self) -> Dict[str, Any]:
-        """What the last training forward ran under."""
-        forwards = self.of("forward")
-        assert forwards, "no training forward was noted"
-        return forwards[-1]
-
-    @property
-    def measured(self) -> int:
-        """How many training forwards ran measured."""
-        return sum(step["measured"] for step in self.of("forward"))
-
-
 @pytest.fixture
 def noted_steps():
     """What the planner says of each training step, read from the ``ckptwrap`` logger at
-    DEBUG (as a user would), for the length of the test."""
-    noted = NotedSteps()
-
-    class Handler(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            step = getattr(record, "ckptwrap_step", None)
-            if step is not None:
-                noted.all.append(step)
-
-    logger = logging.getLogger("ckptwrap")
-    handler, level = Handler(logging.DEBUG), logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    try:
+    DEBUG as a user's handler would (``benchmarks/_noted.py``), for the length of the test."""
+    with NotedSteps() as noted:
         yield noted
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)

@@ -615,9 +615,6 @@ class ShapePlanner:
             selective_cost()
         self.settings = settings
         self.reading = BudgetReading(settings, max_shapes)
-        self._measured = 0
-        self.checks = 0
-        """How many steps were checked against their prediction."""
         self._layouts = Layouts(self._forget_plans)
         self._cache = PlanCache()
         self._schedule = CheckSchedule()
@@ -639,11 +636,6 @@ class ShapePlanner:
     def reference(self) -> int:
         """The largest un-checkpointed peak planned for so far."""
         return self.reading.reference
-
-    @property
-    def measurements(self) -> int:
-        """How many steps were measured (training steps and example inputs)."""
-        return self._measured + sum(profile is not None for _, profile, _ in self._learned)
 
     def __getstate__(self) -> Dict[str, Any]:
         # A loss function often cannot pickle: left out, the steps measured on example
@@ -688,8 +680,6 @@ class ShapePlanner:
             )
         elif decision.choice is not None and decision.check and not overlapping:
             meter = SpanPeak(device, reset=decision.reset)
-        if debugging():
-            _note_begun(model, decision, measured=recorder is not None, checked=meter is not None)
         return PlannedStep(model, self, decision, recorder, meter, on_measured)
 
     def decide(
@@ -777,7 +767,6 @@ class ShapePlanner:
                 )
             return
         said = costs.learn(decision.sizes, profile)
-        self._measured += 1
         if decision.seconds:
             self._schedule.measured(decision.seconds, size=math.prod(decision.sizes), learning=decision.learn)
         self._forget_plans(costs)
@@ -846,7 +835,6 @@ class ShapePlanner:
             self._reset = True
             self._schedule.inconclusive()
             return
-        self.checks += 1
         fields = dict(
             event="checked", inputs=decision.describe(), sizes=tuple(decision.sizes), peak=peak,
             predicted_peak=choice.predicted_peak, missed=share > _MISS,
@@ -903,7 +891,6 @@ class ShapePlanner:
                         fake=settings.fake,
                     )
                 costs.learn(sizes, profile)
-                self._measured += 1
             device = step_device(model, args, kwargs)
             self.device.before_example(model, device, args, kwargs)
             region = region_bytes(device, self.settings.preserve_rng_state)
@@ -1006,32 +993,6 @@ class ShapePlanner:
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
-
-
-def _note_begun(model: nn.Module, decision: Decision, *, measured: bool, checked: bool) -> None:
-    """What a training forward runs under, noted at DEBUG (see docs/budget.md)."""
-    choice = decision.choice
-    if measured:
-        how = "measured under the plan of least memory" + (", to learn" if decision.learn else "")
-    elif choice is None:
-        how = "the plan of least memory, unmeasured"
-    else:
-        how = (
-            f"{len(choice.entries)} checkpointed, {_mib(choice.predicted_peak)} predicted"
-            + (f" for a budget of {_mib(choice.budget)}" if choice.budget is not None else "")
-            + (f" ({decision.source} costs)" if decision.source else "")
-            + ("" if choice.reachable else ", out of reach")
-            + (", checked" if checked else "")
-        )
-    note_step(
-        f"ckptwrap: a training forward of {type(model).__name__} at inputs of {decision.describe()}: {how}",
-        event="forward", model=type(model).__name__, inputs=decision.describe(), sizes=tuple(decision.sizes),
-        measured=measured, learning=measured and decision.learn, checked=checked,
-        source=decision.source or None,
-        checkpointed=None if measured or choice is None else tuple(entry.name for entry in choice.entries),
-        predicted_peak=None if measured or choice is None else choice.predicted_peak,
-        budget=None if measured or choice is None else choice.budget,
-    )
 
 
 class PlannedStep:

@@ -28,7 +28,7 @@ from torch import nn
 
 from .._compiling import outside_graph
 from .._errors import CheckpointConfigError
-from .._warn import note, warn
+from .._warn import debugging, note, note_step, warn
 from ..planner import Decision, Plan, PlanEntry, PlannedStep, ShapePlanner
 from ..measure import is_measuring, step_device, unreal
 from ._clients import cache_writes_on
@@ -128,6 +128,8 @@ class PlanPerShape:
             self._apply(model, measured(self.unmeasured, decision.choice, decision.source), decision)
             self.solved = True
         step.start(args, kwargs)
+        if debugging():
+            _note_forward(model, step, self.applied)
         # Followed to the end even unmetered: a forward that comes before its backward
         # must know this one's graph is still alive.
         self.current = step
@@ -270,6 +272,33 @@ class StepEnd:
                 f"of least memory."
             )
         return None
+
+
+def _note_forward(model: nn.Module, step: PlannedStep, applied: Optional[Plan]) -> None:
+    """What a training forward runs under, noted at DEBUG (docs/budget.md, "What the
+    planner says of each step")."""
+    decision, measured = step.decision, step.recorder is not None
+    choice = None if measured else decision.choice
+    names = tuple(applied.names) if applied is not None else ()
+    if measured:
+        how = "measured under the plan of least memory" + (", to learn" if decision.learn else "")
+    elif choice is None:
+        how = "the plan of least memory, unmeasured"
+    else:
+        how = (
+            f"{len(names)} checkpointed, {choice.predicted_peak / 2**20:.1f} MiB predicted"
+            + (f" for a budget of {choice.budget / 2**20:.1f} MiB" if choice.budget is not None else "")
+            + (f" ({decision.source} costs)" if decision.source else "")
+            + ("" if choice.reachable else ", out of reach") + (", checked" if step.meter is not None else "")
+        )
+    note_step(
+        f"ckptwrap: a training forward of {type(model).__name__} at inputs of {decision.describe()}: {how}",
+        event="forward", model=type(model).__name__, inputs=decision.describe(), sizes=tuple(decision.sizes),
+        measured=measured, learning=measured and decision.learn, checked=step.meter is not None,
+        source=decision.source or None, checkpointed=names,
+        predicted_peak=None if choice is None else choice.predicted_peak,
+        budget=None if choice is None else choice.budget,
+    )
 
 
 def _fresh(model: nn.Module) -> bool:

@@ -20,7 +20,6 @@ import dataclasses
 import datetime
 import gc
 import json
-import logging
 import os
 import sys
 import traceback
@@ -40,6 +39,7 @@ from _dist_setup import (  # noqa: E402
     CONFIG, GLOBAL_BATCH, STEPS, build_model, make_optimizer, synthetic_batch,
 )
 from _allocator import allocator_peak  # noqa: E402
+from _noted import NotedSteps  # noqa: E402
 import fsdp2_ranks  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
 
@@ -115,56 +115,32 @@ def mismatched(strategy: str, rank: int) -> Dict[str, Any]:
     example = synthetic_batch(dataclasses.replace(LONG, seq_len=200), 4, seed=0)
     budget = ckptwrap.plan(copy.deepcopy(model), "blocks", example_inputs=example).plain_peak // 2
     ckptwrap.wrap_model(model, f"budget:{budget}B")
-    measured = _MeasuredForwards()
-    if strategy == "ddp":
-        runner = DistributedDataParallel(model)
-    else:
-        for block in model.blocks:
-            fully_shard(block)
-        runner = fully_shard(model)
-    optimizer = make_optimizer(model)
-    steps = []
-    for step in range(len(SHAPES[rank])):
-        tokens, targets = ranks_batch(rank, step)
+    with NotedSteps() as noted:
+        if strategy == "ddp":
+            runner = DistributedDataParallel(model)
+        else:
+            for block in model.blocks:
+                fully_shard(block)
+            runner = fully_shard(model)
+        optimizer = make_optimizer(model)
+        steps = []
+        for step in range(len(SHAPES[rank])):
+            tokens, targets = ranks_batch(rank, step)
 
-        def run() -> None:
-            optimizer.zero_grad(set_to_none=True)
-            runner(tokens, targets).backward()
+            def run() -> None:
+                optimizer.zero_grad(set_to_none=True)
+                runner(tokens, targets).backward()
 
-        peak = allocator_peak(run)
-        optimizer.step()
-        plain.zero_grad(set_to_none=True)
-        plain_peak = allocator_peak(lambda: plain(tokens, targets).backward())
-        steps.append({"peak": peak, "plain": plain_peak, "checkpointed": len(model.ckptwrap_plan)})
-    measured.close()
+            peak = allocator_peak(run)
+            optimizer.step()
+            plain.zero_grad(set_to_none=True)
+            plain_peak = allocator_peak(lambda: plain(tokens, targets).backward())
+            steps.append({"peak": peak, "plain": plain_peak, "checkpointed": len(model.ckptwrap_plan)})
     params = {
         name: (param.full_tensor() if hasattr(param, "full_tensor") else param).detach().clone()
         for name, param in model.named_parameters()
     }
-    return {"budget": budget, "steps": steps, "measured": measured.count, "params": params}
-
-
-class _MeasuredForwards(logging.Handler):
-    """Counts the training forwards a lazy budget measured, as the ``ckptwrap`` logger says
-    them at DEBUG."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.count = 0
-        self._logger = logging.getLogger("ckptwrap")
-        self._level = self._logger.level
-        self._logger.addHandler(self)
-        self._logger.setLevel(logging.DEBUG)
-
-    def emit(self, record: logging.LogRecord) -> None:
-        step = getattr(record, "ckptwrap_step", None)
-        if step is not None and step["event"] == "forward" and step["measured"]:
-            self.count += 1
-
-    def close(self) -> None:
-        self._logger.removeHandler(self)
-        self._logger.setLevel(self._level)
-        super().close()
+    return {"budget": budget, "steps": steps, "measured": noted.measured, "params": params}
 
 
 _TIMEOUT_S = 240
