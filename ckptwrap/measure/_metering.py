@@ -117,8 +117,6 @@ def dispatch_cost() -> float:
     counter, following moments) beyond running: measured once per process on tiny CPU
     tensors, where an operator's own time is negligible. Times of a metered step are
     corrected by it (times only rank plans; bytes are exact)."""
-    from ._costs import PhaseMeter  # the meter whose cost this is
-
     return _added_per_op(lambda: PhaseMeter(torch.device("cpu")))
 
 
@@ -126,7 +124,6 @@ def dispatch_cost() -> float:
 def recording_cost() -> float:
     """:func:`dispatch_cost` with a candidate's operator recorder listening: what one
     operator of a measured forward costs beyond running."""
-    from ._costs import OpRecorder, PhaseMeter
 
     @contextlib.contextmanager
     def recorded() -> Iterator[None]:

@@ -129,6 +129,7 @@ class PlanPerShape:
             self.solved = True
         step.start(args, kwargs)
         if debugging():
+            assert self.applied is not None  # marked just above
             _note_forward(model, step, self.applied)
         # Followed to the end even unmetered: a forward that comes before its backward
         # must know this one's graph is still alive.
@@ -274,12 +275,12 @@ class StepEnd:
         return None
 
 
-def _note_forward(model: nn.Module, step: PlannedStep, applied: Optional[Plan]) -> None:
+def _note_forward(model: nn.Module, step: PlannedStep, applied: Plan) -> None:
     """What a training forward runs under, noted at DEBUG (docs/budget.md, "What the
     planner says of each step")."""
     decision, measured = step.decision, step.recorder is not None
     choice = None if measured else decision.choice
-    names = tuple(applied.names) if applied is not None else ()
+    names = tuple(applied.names)
     if measured:
         how = "measured under the plan of least memory" + (", to learn" if decision.learn else "")
     elif choice is None:
