@@ -655,6 +655,15 @@ def _generator_state_bytes() -> int:
     return torch.get_rng_state().untyped_storage().nbytes()
 
 
+_NO_DEFAULT: Any = dataclasses.MISSING
+
+
+def _term(kind: str, default: Any = _NO_DEFAULT) -> Any:
+    """A field of :class:`ModuleCost` and how a fit over input shapes takes it (see
+    :meth:`ModuleCost.terms`)."""
+    return dataclasses.field(default=default, metadata={"term": kind})
+
+
 @dataclasses.dataclass(frozen=True)
 class ModuleCost:
     """What one candidate module costs in one forward of the model.
@@ -662,35 +671,39 @@ class ModuleCost:
     A module that runs several times in one forward (a shared layer, a recurrent cell
     stepped over time) gets the sum over its calls in every figure but those named per
     call, and ``calls`` says how many there were.
+
+    This one record carries a candidate's cost from the step that measures it (added up
+    call by call) through the fits over shapes to the solver; each field says how a fit
+    takes it (:meth:`terms`), so that a new term is declared here alone.
     """
 
     name: str
     """Qualified name, as in ``model.named_modules()``."""
-    kind: str
+    kind: str = _term("shape")
     """Class name of the module."""
-    kept_bytes: int
+    kept_bytes: int = _term("size")
     """Bytes of the distinct storages its forward saves for backward, other than the model's
     parameters and buffers, the model's inputs and the module's own inputs."""
-    input_bytes: int
+    input_bytes: int = _term("size")
     """Bytes of the distinct storages of its tensor inputs (args and kwargs, nested), other
     than parameters, buffers and the model's own inputs (those were there before the
     step); a checkpoint of the module keeps these. An input that the calls of other
     candidates take too (a mask or position embeddings every layer takes) is alive through
     the forward whatever is checkpointed: it is counted in the base instead, once."""
-    output_bytes: int
+    output_bytes: int = _term("size")
     """Bytes of the distinct storages of its tensor outputs, other than parameters and buffers."""
     forward_time: float
     """Seconds for its forward with autograd on: the median over the repeats."""
-    flops: int
+    flops: int = _term("size")
     """Floating-point operations of its forward, as ``FlopCounterMode`` counts them."""
-    self_saved_input_bytes: int = 0
+    self_saved_input_bytes: int = _term("size", 0)
     """The part of ``input_bytes`` its own forward saves for backward (counted in the
     profile's base bytes): a checkpoint of it keeps these at no extra cost."""
-    called: bool = True
+    called: bool = _term("shape", True)
     """False if the model's forward never called it; every figure is then zero."""
-    calls: int = 1
+    calls: int = _term("count", 1)
     """How many times the model's forward called it (recursive calls of itself not counted)."""
-    forward_peak_bytes: int = 0
+    forward_peak_bytes: int = _term("size", 0)
     """The most bytes that storages created by one call of its forward held at one time:
     saved tensors, temporaries and outputs; what a recomputation of it needs at its
     highest."""
@@ -699,22 +712,22 @@ class ModuleCost:
     (the highest of its calls' where their operators line up): the points at which
     ``forward_peak_bytes`` can be reached, which the cost model follows across input
     shapes."""
-    call_kept_bytes: int = 0
+    call_kept_bytes: int = _term("size", 0)
     """The most one call's forward saves for backward (``kept_bytes`` for one call)."""
-    call_input_bytes: int = 0
+    call_input_bytes: int = _term("size", 0)
     """The most bytes of one call's inputs (``input_bytes`` for one call)."""
-    created_bytes: int = 0
+    created_bytes: int = _term("size", 0)
     """Bytes of every storage its forward created, freed or not: the memory traffic its
     time grows with, beside ``flops``."""
     forward_ops: int = 0
     """Operator calls its forward ran, over all its calls (those selective checkpointing
     numbers): each costs a dispatch beside its work. 0: not counted (as many as ``ops``
     per call is taken)."""
-    handed_over_bytes: int = 0
+    handed_over_bytes: int = _term("size", 0)
     """The part of ``kept_bytes`` (its own saved outputs) that the forward after it saves
     as well, the next block's first layer for one: counted in the profile's base bytes,
     since a checkpoint of this module does not free it."""
-    joins_previous: bool = False
+    joins_previous: bool = _term("shape", False)
     """Whether its only input was the output of the candidate called just before it, and
     nothing after it saves that input again: the two can run as one checkpointed segment,
     which frees the input (``self_saved_input_bytes``). Both must be called once."""
@@ -722,16 +735,16 @@ class ModuleCost:
     """The part of the profile's base bytes saved before its (last) call began, its own
     saved inputs included: what of the base is still alive when backward reaches it. None
     if it was never called outside another candidate."""
-    position: int = -1
+    position: int = _term("count", -1)
     """Where its (last) call comes among the candidates' calls that are not nested in
     another candidate's, from 0; -1 if there is none."""
-    first_position: int = -1
+    first_position: int = _term("count", -1)
     """Where its first such call comes; ``position - first_position + 1 == calls`` when
     its calls follow each other with no other candidate's between them."""
-    policy_saved_bytes: int = 0
+    policy_saved_bytes: int = _term("size", 0)
     """With a save policy: bytes of the outputs of the operators it saves, which a selective
     checkpoint of the module keeps until backward."""
-    policy_saved_kept_bytes: int = 0
+    policy_saved_kept_bytes: int = _term("size", 0)
     """The part of ``policy_saved_bytes`` that the plain forward saves for backward too
     (in ``kept_bytes``): a selective recomputation need not rebuild it."""
     selective_overhead: float = 0.0
@@ -745,6 +758,15 @@ class ModuleCost:
     """Its forward's operators in call order, as selective checkpointing numbers them
     (summed over its calls); empty if its calls ran different operators or it was not
     called. The planner derives selective levels from them."""
+
+    @classmethod
+    def terms(cls, kind: str) -> Tuple[str, ...]:
+        """The fields a fit over input shapes takes as ``kind``: ``"size"``, bytes and
+        FLOPs, fitted over the shapes and scaled with a scaled profile; ``"count"``, calls
+        and positions, fitted but never scaled; ``"shape"``, what must be the same at
+        every shape for profiles to be fitted together. The others (times, moments,
+        operators, the base's share) are fitted each in its own way."""
+        return tuple(field.name for field in dataclasses.fields(cls) if field.metadata.get("term") == kind)
 
     def __post_init__(self) -> None:
         # From JSON (``to_dict``), the operators and moments come back as lists of dicts.

@@ -29,9 +29,9 @@ This is how costs are measured where the caller hands example inputs (``plan``,
 ``wrap_model(..., example_inputs=...)``, the doctor, the command line); a wrapped model
 learns from its own training steps instead, through the same recorder.
 
-What a measured step keeps per candidate while it runs: its :class:`Record` (the
-fields of its ``ModuleCost``, added up call by call), and the ledger of which storages
-are the inputs of which outermost calls.
+What a measured step keeps per candidate while it runs: its :class:`Record` (its
+``ModuleCost`` itself, added up call by call, and the step's own bookkeeping beside it),
+and the ledger of which storages are the inputs of which outermost calls.
 
 The account a measured step keeps of its candidates' calls: per call, what it takes,
 saves and returns; across calls, the storages outside every candidate (the base), which
@@ -344,42 +344,41 @@ _NONE: StorageMap[None] = StorageMap()
 
 @dataclasses.dataclass
 class Record:
-    """What the calls of one candidate have added up to so far: the fields of its
-    ``ModuleCost`` (same names, same meaning), and what the passes need besides."""
+    """One candidate's :class:`ModuleCost` as its calls add up to it (``cost``), and what
+    the measurement needs besides."""
 
-    name: str
     module: nn.Module
-    kind: str = ""
-    calls: int = 0
-    kept_bytes: int = 0
-    input_bytes: int = 0
-    output_bytes: int = 0
-    flops: int = 0
-    forward_time: float = 0.0
-    self_saved_input_bytes: int = 0
-    forward_peak_bytes: int = 0
-    forward_moments: Tuple[int, ...] = ()
-    call_kept_bytes: int = 0
-    call_input_bytes: int = 0
-    created_bytes: int = 0
-    handed_over_bytes: int = 0
-    joins_previous: bool = False
-    base_before_bytes: Optional[int] = None
-    position: int = -1
-    first_position: int = -1
-    policy_saved_bytes: int = 0
-    policy_saved_kept_bytes: int = 0
-    selective_overhead: float = 0.0
-    recompute_time: float = 0.0  # with a save policy: the forward replaying the saved outputs
+    cost: ModuleCost
     ops: Optional[List[OpCost]] = None  # summed over its calls; None when they differ
-    # What the measurement needs besides.
     outer_kept: int = 0  # kept bytes of calls not nested in another candidate's: the total
     joined: Optional["Record"] = None  # the record of the call it continues a chain from
     depth: int = 0  # > 1 while the module is inside a call of itself
     forward_seconds: float = 0.0  # its forwards, as metered
-    forward_ops: int = 0  # operators its forwards ran
     recompute_seconds: float = 0.0  # its recomputations, the meter's cost taken off
     recomputed: int = 0  # how many of its calls were recomputed
+
+    @classmethod
+    def of(cls, name: str, module: nn.Module) -> "Record":
+        """A candidate not called yet."""
+        return cls(module, ModuleCost(name, type(module).__name__, 0, 0, 0, 0.0, 0, called=False, calls=0))
+
+    @property
+    def name(self) -> str:
+        return self.cost.name
+
+    def add(self, **terms: int) -> None:
+        """Add ``terms`` to the cost's fields of those names."""
+        cost = self.cost
+        self.cost = dataclasses.replace(cost, **{field: getattr(cost, field) + n for field, n in terms.items()})
+
+    def most(self, **terms: int) -> None:
+        """Raise the cost's fields of those names to ``terms`` (figures per call)."""
+        cost = self.cost
+        self.cost = dataclasses.replace(cost, **{field: max(getattr(cost, field), n) for field, n in terms.items()})
+
+    def put(self, **values: Any) -> None:
+        """Set the cost's fields of those names."""
+        self.cost = dataclasses.replace(self.cost, **values)
 
 
 class InputLedger:
@@ -426,9 +425,8 @@ class InputLedger:
                         saved_bytes += storage.nbytes()
                     continue
                 self._share(storage, *owner)
-        record.input_bytes += counted
-        record.call_input_bytes = max(record.call_input_bytes, counted)
-        record.self_saved_input_bytes += saved_bytes
+        record.add(input_bytes=counted, self_saved_input_bytes=saved_bytes)
+        record.most(call_input_bytes=counted)
 
     def _share(self, storage: torch.UntypedStorage, first: "Record", position: int) -> None:
         """``storage``, an input of the outermost call at ``position`` (of ``first``), is
@@ -450,10 +448,10 @@ class InputLedger:
         def saved(nbytes: int) -> None:
             if earlier is not None:
                 earlier(nbytes)
-            first.input_bytes -= nbytes
+            first.add(input_bytes=-nbytes)
             for record in self._records:
-                if record.base_before_bytes is not None and record.position >= position:
-                    record.base_before_bytes += nbytes
+                if record.cost.base_before_bytes is not None and record.cost.position >= position:
+                    record.add(base_before_bytes=nbytes)
 
         self._base.claims[storage] = saved
 
@@ -604,7 +602,7 @@ class CallBook:
     """
 
     def __init__(self, targets: Sequence[Tuple[str, nn.Module]], bar: Optional[ProgressBar] = None) -> None:
-        self.records = {id(module): Record(name, module, kind=type(module).__name__) for name, module in targets}
+        self.records = {id(module): Record.of(name, module) for name, module in targets}
         self.order = [self.records[id(module)] for _, module in targets]
         self.state_storages: StorageMap[None] = StorageMap()
         self.excluded: StorageMap[None] = StorageMap()
@@ -680,22 +678,24 @@ class CallBook:
         record.depth -= 1
         outputs = tensors(output)
         tally = frame.tally
-        record.calls += 1
-        record.output_bytes += Tally(self.state_storages).add_tensors(outputs).bytes
-        record.kept_bytes += tally.bytes
-        record.call_kept_bytes = max(record.call_kept_bytes, tally.bytes)
-        record.created_bytes += frame.ops.created_bytes
-        record.flops += frame.ops.flops
-        record.policy_saved_bytes += frame.policy_tally.bytes
-        record.policy_saved_kept_bytes += frame.policy_tally.shared_bytes(tally)
         ops = frame.ops.ops()
-        record.ops = merge_calls(record.ops, ops, first=record.calls == 1)
+        record.add(
+            calls=1,
+            output_bytes=Tally(self.state_storages).add_tensors(outputs).bytes,
+            kept_bytes=tally.bytes,
+            created_bytes=frame.ops.created_bytes,
+            flops=frame.ops.flops,
+            policy_saved_bytes=frame.policy_tally.bytes,
+            policy_saved_kept_bytes=frame.policy_tally.shared_bytes(tally),
+            forward_ops=len(ops),
+        )
+        record.most(call_kept_bytes=tally.bytes)
+        record.ops = merge_calls(record.ops, ops, first=record.cost.calls == 1)
         record.forward_seconds += time.perf_counter() - frame.started
-        record.forward_ops += len(ops)
         if frame.nested:
             call_inputs = Tally(self.excluded).add_tensors(frame.inputs).bytes
-            record.input_bytes += call_inputs
-            record.call_input_bytes = max(record.call_input_bytes, call_inputs)
+            record.add(input_bytes=call_inputs)
+            record.most(call_input_bytes=call_inputs)
             return
         # Inputs the call saves itself stay alive in a plain forward too, as the base's.
         saved = [t for t in frame.inputs if tally.input_hits.holds(t)]
@@ -703,9 +703,9 @@ class CallBook:
         self._note_join(record, frame.args, frame.kwargs, saved)
         self.base.add_tensors(saved)
         # Backward reaches this call once everything saved after it is freed.
-        record.base_before_bytes, record.position = self.base.bytes, self._positions
-        if record.first_position < 0:
-            record.first_position = self._positions
+        record.put(base_before_bytes=self.base.bytes, position=self._positions)
+        if record.cost.first_position < 0:
+            record.put(first_position=self._positions)
         self._positions += 1
         record.outer_kept += tally.bytes
         for tensor in outputs:
@@ -718,20 +718,21 @@ class CallBook:
         candidate call handed to the model's forward; if anything after it saves that
         input as well, a segment through both would not free it."""
         previous, self._last_output = self._last_output, None
-        record.joins_previous = bool(
+        joins = bool(
             previous is not None
-            and record.calls == 1
-            and previous[0].calls == 1
+            and record.cost.calls == 1
+            and previous[0].cost.calls == 1
             and not kwargs
             and len(args) == 1
             and args[0] is previous[1]()
         )
-        if not record.joins_previous:
+        record.put(joins_previous=joins)
+        if not joins:
             return
         record.joined = previous[0]  # type: ignore[index]
 
         def seen_again() -> None:
-            record.joins_previous = False
+            record.put(joins_previous=False)
 
         for storage in (s for tensor in saved for s in tensor_storages(tensor)):
             self.base.watched[storage] = seen_again
@@ -741,15 +742,15 @@ class CallBook:
         checkpointing the module does not free it: counted in the base, handed over."""
 
         def claim(nbytes: int) -> None:
-            record.handed_over_bytes += nbytes
+            record.add(handed_over_bytes=nbytes)
             record.outer_kept -= nbytes
 
         for storage in tensor_storages(output):
             self.base.claims.setdefault(storage, claim)
 
     def recomputed(self, record: Record, window: Window) -> None:
-        record.forward_moments = highest_each(record.forward_moments, window.moments)
-        record.forward_peak_bytes = max(record.forward_peak_bytes, window.peak)
+        record.put(forward_moments=highest_each(record.cost.forward_moments, window.moments))
+        record.most(forward_peak_bytes=window.peak)
         # The meter's own cost per operator taken off: the recomputation as it runs unmetered.
         record.recompute_seconds += max(0.1 * window.seconds, window.seconds - window.ops * dispatch_cost())
         record.recomputed += 1
@@ -760,31 +761,26 @@ class CallBook:
         """A chain needs both ends called once: a later call may have shown otherwise."""
         for record in self.order:
             joined = record.joined
-            record.joins_previous = (
-                record.joins_previous and record.calls == 1 and joined is not None and joined.calls == 1
-            )
+            if record.cost.joins_previous and (record.cost.calls != 1 or joined is None or joined.cost.calls != 1):
+                record.put(joins_previous=False)
 
     def cost(self, record: Record, *, timed: bool, policy: bool) -> ModuleCost:
-        """The frozen cost of a finished record (they share their fields' names)."""
-        values = {
-            field.name: getattr(record, field.name)
-            for field in dataclasses.fields(ModuleCost)
-            if hasattr(record, field.name)
-        }
+        """A finished record's cost, with its times."""
+        cost = record.cost
         # A forward measured: counted and recorded operator by operator.
-        forward = max(0.1 * record.forward_seconds, record.forward_seconds - record.forward_ops * recording_cost())
+        forward = max(0.1 * record.forward_seconds, record.forward_seconds - cost.forward_ops * recording_cost())
         recompute = record.recompute_seconds if record.recomputed else forward
-        if not timed or not record.calls:
+        if not timed or not cost.calls:
             forward = recompute = 0.0
         ops = tuple(record.ops or ())
-        values.update(
-            called=record.calls > 0,
+        return dataclasses.replace(
+            cost,
+            called=cost.calls > 0,
             forward_time=recompute if not policy else forward,
             recompute_time=recompute if policy else None,
             ops=_timed_ops(ops, recompute if timed else 0.0),
             selective_overhead=selective_cost() * len(ops) if timed else 0.0,
         )
-        return ModuleCost(**values)
 
 
 _SPREAD = 0.2

@@ -552,17 +552,13 @@ Form = Tuple[Tuple[int, ...], ...]
 
 _BYTES_PER_FLOP = 8
 """How many FLOPs one byte created weighs in ``work``: memory traffic against arithmetic."""
-_INT_FIELDS = (
-    "kept_bytes", "input_bytes", "output_bytes", "flops", "self_saved_input_bytes",
-    "forward_peak_bytes", "call_kept_bytes", "call_input_bytes", "created_bytes",
-    "handed_over_bytes", "policy_saved_bytes", "policy_saved_kept_bytes",
-)
+_SIZE_FIELDS = ModuleCost.terms("size")
 _OVER_SLACK = 64
 _OVER_SHARE = 0.001
 """How far a fit of what the allocator held beyond the moments may miss its samples
 (bytes, and share of its largest) and still be followed to other shapes."""
-_COUNT_FIELDS = ("calls", "position", "first_position")
-_SHAPE_FIELDS = ("kind", "called", "joins_previous")
+_COUNT_FIELDS = ModuleCost.terms("count")
+_SHAPE_FIELDS = ModuleCost.terms("shape")
 _SPAN_TOLERANCE = 1e-6
 _OTHERS = ("total_activation_bytes", "base_bytes", "step")
 """The terms of a profile not a candidate's: kept by key for the step's tables."""
@@ -836,7 +832,7 @@ class _Terms:
     def of(cls, cost: ModuleCost, at: Mapping[str, int]) -> "_Terms":
         name = cost.name
         return cls(
-            ints=tuple((field, at[f"{name}/{field}"]) for field in _INT_FIELDS),
+            ints=tuple((field, at[f"{name}/{field}"]) for field in _SIZE_FIELDS),
             counts=tuple((field, at[f"{name}/{field}"]) for field in _COUNT_FIELDS),
             base_before=None if cost.base_before_bytes is None else at[f"{name}/base_before_bytes"],
             forward=f"{name}/forward",
@@ -910,7 +906,7 @@ def _flatten(profile: ModelProfile, with_ops: Set[str]) -> Tuple[Dict[str, int],
     }
     moments: Dict[str, Tuple[int, ...]] = {}
     for cost in profile.modules:
-        for field in (*_INT_FIELDS, *_COUNT_FIELDS):
+        for field in (*_SIZE_FIELDS, *_COUNT_FIELDS):
             ints[f"{cost.name}/{field}"] = int(getattr(cost, field))
         if cost.base_before_bytes is not None:
             ints[f"{cost.name}/base_before_bytes"] = int(cost.base_before_bytes)
