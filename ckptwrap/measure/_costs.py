@@ -463,6 +463,12 @@ class PhaseMeter:
 
 class _OpenWindow:
     def __init__(self, counter: "_PhaseCounter", span: StepSpan) -> None:
+        # What a reading open already saw is the phase's, not the window's: read before the
+        # window starts, a reading's highest could lie before it (a nested candidate's
+        # recomputation under a save policy, whose outputs come back from the policy's
+        # cache, read the sibling outputs recomputed before it as its own, or not, as the
+        # allocator reused their blocks).
+        span.settle()
         self._counter = counter
         self._span = span
         self._start = counter.live_bytes
