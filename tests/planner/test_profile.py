@@ -619,3 +619,60 @@ def test_a_save_policy_is_measured_as_a_selective_checkpoint_would_run():
     assert plain["1"].policy_saved_bytes == 0
     with pytest.raises(CheckpointConfigError, match="save_policy must be a callable.*str"):
         profile_modules(model, ["1"], (x,), save_policy="mm")
+
+
+class _Widening(nn.Module):
+    """A block whose first layer makes a wide temporary, then a narrow output layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(32, 256)
+        self.down = nn.Linear(256, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def test_a_nested_candidate_is_charged_only_what_its_own_recomputation_holds():
+    """A candidate nested in another is recomputed inside its parent's recomputation: what
+    the parent recomputed before it (its wide temporaries) is the parent's working set,
+    not the nested one's. Its recomputation peak is what it is measured at alone."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Widening(), _Widening())
+    x = torch.randn(4, 16, 32)
+    nested = profile_modules(model, ["0", "1", "0.down", "1.down"], (x,), step=True)
+    alone = profile_modules(model, ["0.down", "1.down"], (x,), step=True)
+    for name in ("0.down", "1.down"):
+        assert nested[name].forward_peak_bytes == alone[name].forward_peak_bytes
+    wide = 4 * 16 * 256 * 4
+    assert nested["0.down"].forward_peak_bytes < wide <= nested["0"].forward_peak_bytes
+
+
+def test_a_nested_candidate_under_a_save_policy_measures_the_same_every_run():
+    """Under a save policy the nested matmul comes back from the policy's cache when
+    recomputed; what it holds must not depend on how the allocator reused blocks."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    def save_matmuls(ctx, op, *args, **kwargs):
+        if op.overloadpacket in (torch.ops.aten.addmm, torch.ops.aten.mm):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(64, 64, bias=False)
+            self.o = nn.Linear(64, 64, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.o(torch.relu(self.a(x)).softmax(-1))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block(), Block())
+    x = torch.randn(2, 16, 64)
+    names = ["0.o", "1.o", "2.o"]
+    runs = set()
+    for _ in range(8):
+        profile = profile_modules(model, ["0", "1", "2", *names], (x,), step=True, save_policy=save_matmuls)
+        runs.add(tuple(profile[name].forward_peak_bytes for name in names))
+    assert len(runs) == 1, runs
