@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import importlib
+import os
 import sys
+import threading
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -30,12 +33,14 @@ __all__ = [
     "fallbacks_in_use",
     "fsdp2_params",
     "fsdp2_units",
+    "keep_cpu_allocation_table",
     "function_mode_stack",
     "global_forward_pre_hooks",
     "graph_exec_group",
     "graph_task_id",
     "is_checkpoint_valid",
     "legacy_memory_profiler",
+    "let_cpu_allocation_table_go",
     "make_saved_tensor",
     "norm_classes",
     "privateuse1_backend_name",
@@ -316,6 +321,56 @@ def _legacy_memory_profiler() -> Optional[Tuple[Callable[..., None], Callable[[]
 
 # The legacy profiler, for reading a CPU operator's own allocations (``measure._workspace``).
 legacy_memory_profiler = _legacy_memory_profiler()
+
+
+def _cpu_allocation_switch() -> Optional[Any]:
+    """The CPU allocator's switch (libc10's ``FLAGS_caffe2_report_cpu_memory_usage``) that
+    keeps its table of block sizes for every allocation, not only for those made while a
+    profiler reports memory; None where the library or the flag cannot be found."""
+    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    for name in ("libc10.so", "libc10.dylib", "c10.dll"):
+        try:
+            return ctypes.c_bool.in_dll(ctypes.CDLL(os.path.join(lib_dir, name)), "FLAGS_caffe2_report_cpu_memory_usage")
+        except (OSError, ValueError):
+            continue
+    _FELL_BACK.append("c10 FLAGS_caffe2_report_cpu_memory_usage")
+    return None
+
+
+# Any torch whose CPU allocator reports to the profiler (1.x and later). Fallback: the
+# table is kept only while a reading is open, so a reading misses the frees of blocks
+# allocated outside every reading, and may read a free at the size of a block that
+# stood at the same address before (the table is not cleared when a reading ends).
+_cpu_allocation_flag = _cpu_allocation_switch()
+_cpu_table_lock = threading.Lock()
+_cpu_table_kept = [0, False]  # keepers now, and the switch as the first of them found it
+
+
+def keep_cpu_allocation_table() -> bool:
+    """Have the CPU allocator enter every block it allocates and frees in the table the
+    legacy profiler reads sizes from (see :func:`legacy_memory_profiler`), until
+    :func:`let_cpu_allocation_table_go`: a reading then reports the free of every block
+    allocated since, at its own size. It costs about 3 us per CPU allocation. False
+    where it cannot be done (nothing to let go then)."""
+    if _cpu_allocation_flag is None:
+        return False
+    with _cpu_table_lock:
+        if not _cpu_table_kept[0]:
+            _cpu_table_kept[1] = bool(_cpu_allocation_flag.value)
+        _cpu_table_kept[0] += 1
+        _cpu_allocation_flag.value = True
+    return True
+
+
+def let_cpu_allocation_table_go() -> None:
+    """End one :func:`keep_cpu_allocation_table`; the last one puts the switch back as it
+    was found."""
+    with _cpu_table_lock:
+        if _cpu_allocation_flag is None or not _cpu_table_kept[0]:
+            return
+        _cpu_table_kept[0] -= 1
+        if not _cpu_table_kept[0]:
+            _cpu_allocation_flag.value = _cpu_table_kept[1]
 
 
 def _saved_tensors_hooks_readers() -> Tuple[Callable[[], bool], Callable[[], Any]]:

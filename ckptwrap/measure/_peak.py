@@ -257,7 +257,9 @@ class StorageCounter(TorchDispatchMode):
     makes autograd accumulate gradients out of place) is counted otherwise: bytes its
     caller follows by other means are added with :meth:`hold`, and on the CPU what the
     code allocates and frees meanwhile is read from the allocator's events
-    (:meth:`open_reading`, :meth:`close_reading`). What a reading saw allocated that
+    (:meth:`open_reading`, :meth:`close_reading`); while a counter on the CPU is open,
+    the allocator keeps the size of every block, so that a reading reports the free of
+    any storage counted, at its own size. What a reading saw allocated that
     outlives it, in no storage the counter follows and not held by the caller (a tensor
     recomputed inside a node that a later node unpacks), is kept as ``unattributed``
     bytes, which later readings' frees take down.
@@ -302,6 +304,9 @@ class StorageCounter(TorchDispatchMode):
         self.unattributed = 0
         # Storages resized in place (UntypedStorage.resize_) are told to it until it closes.
         _follow_resizes(self)
+        # While it counts, the CPU allocator keeps the sizes of every block (see
+        # ``open_reading``): a reading reports the free of any storage it counted.
+        self._table_kept = device_type == "cpu" and _torch_private.keep_cpu_allocation_table()
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -363,6 +368,9 @@ class StorageCounter(TorchDispatchMode):
         object be freed before they are."""
         self._closed = True
         _unfollow_resizes(self)
+        if self._table_kept:
+            self._table_kept = False
+            _torch_private.let_cpu_allocation_table_go()
         with self._lock:
             self._refs.clear()
         self._on_release = None  # no cycle through it once nothing is counted
@@ -504,8 +512,11 @@ class StorageCounter(TorchDispatchMode):
                     continue
             ref = _Counted(storage, self._on_release)
             ref.key, ref.nbytes = key, nbytes
-            # Counted during a reading: its free is among the events of one open then.
-            ref.reported = self._reading_thread is not None and self._reading_thread == threading.get_ident()
+            # Its free is among the events of a reading open then: always while the
+            # allocator keeps every block's size, else if it was counted during a reading.
+            ref.reported = self._table_kept or (
+                self._reading_thread is not None and self._reading_thread == threading.get_ident()
+            )
             with self._lock:
                 if key in refs:
                     continue
@@ -538,7 +549,7 @@ class StorageCounter(TorchDispatchMode):
                 if nbytes <= 0 or storage.device.type not in (self._device_type, "meta"):
                     return
                 ref = _Counted(storage, self._on_release)
-                ref.key, ref.nbytes, ref.reported = storage._cdata, 0, False
+                ref.key, ref.nbytes, ref.reported = storage._cdata, 0, self._table_kept
                 self._refs[ref.key] = ref
                 counted = ref
             change = nbytes - counted.nbytes

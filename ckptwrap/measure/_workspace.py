@@ -200,9 +200,11 @@ def start_reading() -> bool:
     this thread already (the caller's, or one not ended), or this torch lacks the legacy
     profiler.
 
-    The allocator reports a free only of a block it saw allocated while some reading was
-    open on the thread: what was allocated before (or between readings) and is freed
-    during one is not among the events.
+    The allocator reports a free only of a block whose size it kept: one allocated while
+    some reading was open on the thread, or while a storage counter on the CPU counts
+    (``_torch_private.keep_cpu_allocation_table``); what was allocated before is not
+    among the events. Without that switch, a block allocated between readings at the
+    address of one a reading saw may have its free read at the other's size.
     """
     profiler = _torch_private.legacy_memory_profiler
     if profiler is None or _torch_private.profiler_enabled():

@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from ckptwrap import _torch_private
 from ckptwrap._errors import CheckpointConfigError
-from ckptwrap.measure import PeakMemory, measure_peak
+from ckptwrap.measure import PeakMemory, StorageCounter, measure_peak
 
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.int8, torch.int64]
 
@@ -292,3 +293,45 @@ def test_storages_resized_in_place_count_as_fsdp2_frees_and_regathers_them():
 
 
 _PLAIN_RESIZE = torch.UntypedStorage.resize_
+
+
+@pytest.mark.skipif(_torch_private._cpu_allocation_flag is None, reason="this torch's allocator switch was not found")
+def test_a_cpu_counter_keeps_the_allocator_table_while_it_counts_and_puts_the_switch_back():
+    """While a CPU counter counts, the allocator keeps every block's size (so a reading
+    reports the free of any block allocated since, at its own size); closed, the switch
+    is as it was found, off or on, however many counters overlapped."""
+    switch = _torch_private._cpu_allocation_flag
+    for found in (False, True):
+        switch.value = found
+        try:
+            first, second = StorageCounter("cpu"), StorageCounter("cpu")
+            assert switch.value
+            first.close()
+            assert switch.value
+            second.close()
+            second.close()  # closing twice lets go once
+            assert switch.value is found
+        finally:
+            switch.value = False
+
+
+def _profiled(monkeypatch=None):
+    from ckptwrap.wrap import profile_modules
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 32)) for _ in range(3)])
+    profile = profile_modules(model, ["0", "1", "2", "1.2"], (torch.randn(4, 16, 32),), step=True).to_dict()
+    for cost in profile["modules"]:
+        cost.update(forward_time=0.0, recompute_time=None, selective_overhead=0.0, ops=[])
+    profile["step"].pop("seconds")
+    return profile
+
+
+def test_without_the_allocator_switch_a_step_is_measured_as_with_it(monkeypatch):
+    """The fallback where the switch is missing: readings keep the profiler's own table,
+    and a step whose blocks' frees it reports alike measures the same bytes."""
+    _profiled()  # a process's first recomputation allocates 32 bytes once, for good
+    kept = _profiled()
+    monkeypatch.setattr(_torch_private, "_cpu_allocation_flag", None)
+    assert not _torch_private.keep_cpu_allocation_table()
+    assert _profiled() == kept
