@@ -1,58 +1,54 @@
-"""The cost record: what one operator costs (``OpCost``), the phases a training step
-is cut into and the meter that cuts it (``PhaseMeter``), the whole step's memory phase by
-phase (``StepPeaks``), and what each candidate module costs in one step (``ModuleCost``,
-``ModelProfile``). Measured once, read by the fits, the peak model and the solver.
+"""The cost record: what one operator costs (:class:`OpCost`), the phases a training step
+is cut into and the meter that cuts it (:class:`PhaseMeter`), the whole step's memory
+phase by phase (:class:`StepPeaks`), and what each candidate module costs in one step
+(:class:`ModuleCost`, :class:`ModelProfile`). Measured once (``_metering``), read by the
+fits over shapes, the peak model and the solver; ``profile_modules`` gives a profile.
 
-What a profile is: the costs of each candidate module in one forward of the model
-(:class:`ModuleCost`), and of all of them with the training step (:class:`ModelProfile`).
-``profile_modules`` measures them; the shape fit (``CostFit``) evaluates them at any shape.
+In this module, in order:
 
-The whole training step's memory, phase by phase, for the planner's step-peak model.
-
-A step measured with every outermost candidate checkpointed (the plan that holds the
-least between forward and backward) is cut into phases (``PhaseMeter``): each candidate's
-forward (with the code before it), the end of the forward (the rest of the forward, the
-loss, the output's gradient, the backward of the code after the last candidate), then
-per candidate its recomputation and its backward proper. What each phase reached beyond
-the activations the planner accounts for is the same under any plan: gradients flowing
-through, backward temporaries, parameter gradients accumulated so far, and whatever the
-caller keeps alive through the backward (``_peak_model.step_terms`` takes them out). Each
-phase keeps its moments too, so that the cost model can follow each of them across input
-shapes rather than only their maximum.
-
-A meter that cuts a training step into phases and keeps, per phase, its peak, its
-moments (the points at which its memory can peak) and its duration.
-
-Moments are counted in the order the program makes them, so that the same code at
-another shape gives as many, in the same order: in the forward and in each recomputation
-at operators' outputs, through a dispatch mode (``measure``'s storage counter); in the
-backward, which runs with no dispatch mode (one would make autograd accumulate gradients
-out of place), one per node of the graph, at the most it held (``measure``'s
-``StepSpan``). On accelerators each phase's peak is also read at the allocator (its peak
-statistics, reset at each cut), so that memory no operator returns (a kernel's
-workspace) counts too; the matrix libraries' own workspaces, which the device keeps from
-their first use to the end of the process, are made before the meter starts
-(``measure``'s ``ready_libraries``), so that a process's first measured step does not
-count them as its own. On the CPU, which keeps no such statistics, the peak is the
-moments' highest: a node's moment is read from the allocator's events on the calling
-thread (torch's legacy profiler, which starts no profiler library), and where a profiler
-of the caller's records there, it is what the node received and returned;
-``torch.profiler`` is never started, so that a meter inside a training step neither
-disturbs the caller's profiler nor another thread's.
-
-A step the meter follows may be the user's own: started in the forward's pre-hook, left
-when the forward returns, carried through the backward node by node, cut by the
-candidates as they run and are recomputed, and finished where the backward ends, inside
-autograd's engine.
-
-What each operator of one candidate call costs: the dispatch-level record that the
-budget planner turns into selective levels (save some operators' outputs, recompute the
-rest).
-
-Operators are named as selective checkpointing names them: by overload packet and by
-occurrence among the calls of that packet within one call of the module, skipping the
-operators torch's selective checkpointing ignores, so a recorded ``(op, occurrence)`` is
-the one a selective policy sees in a checkpointed call of the same module.
+1. **Operators.** What each operator of one candidate call costs: the dispatch-level
+   record (:class:`OpRecorder`) that the budget planner turns into selective levels (save
+   some operators' outputs, recompute the rest). Operators are named as selective
+   checkpointing names them, by overload packet and by occurrence among the calls of that
+   packet within one call of the module, skipping those it ignores, so a recorded ``(op,
+   occurrence)`` is the one a selective policy sees in a checkpointed call of the same
+   module.
+2. **Phases.** A step measured with every outermost candidate checkpointed (the plan
+   that holds the least between forward and backward) is cut into phases: each
+   candidate's forward (with the code before it), the end of the forward (the rest of the
+   forward, the loss, the output's gradient, the backward of the code after the last
+   candidate), then per candidate its recomputation and its backward proper. Each phase
+   keeps its peak, its duration and its moments (the points at which its memory can
+   peak), so that the cost model can follow each of them across input shapes rather than
+   only their maximum. Moments are counted in the order the program makes them, so the
+   same code at another shape gives as many in the same order: in the forward and in
+   each recomputation at operators' outputs, through a dispatch mode (``_peak``'s storage
+   counter, which also tells the candidates' recorders each operator: one mode, however
+   many listen); in the backward, which runs with no dispatch mode (one would make
+   autograd accumulate gradients out of place), one per node of the graph, at the most it
+   held (``_span``'s ``StepSpan``). On accelerators each phase's peak is also read at the
+   allocator (its peak statistics, reset at each cut), so that memory no operator returns
+   (a kernel's workspace) counts too; the matrix libraries' own workspaces, which the
+   device keeps from their first use to the end of the process, are made before the meter
+   starts (``ready_libraries``). On the CPU, which keeps no such statistics, the peak is
+   the moments' highest: a node's moment is read from the allocator's events on the
+   calling thread (torch's legacy profiler, which starts no profiler library), and where a
+   profiler of the caller's records there, it is what the node received and returned;
+   ``torch.profiler`` is never started, so a meter inside a training step disturbs
+   neither the caller's profiler nor another thread's. A step the meter follows may be
+   the user's own: started in the forward's pre-hook, left when the forward returns,
+   carried through the backward node by node, cut by the candidates as they run and are
+   recomputed, and finished where the backward ends, inside autograd's engine.
+3. **The step's memory** (:class:`StepPeaks`): what each phase reached beyond the
+   activations the planner accounts for is the same under any plan: gradients flowing
+   through, backward temporaries, parameter gradients accumulated so far, and whatever
+   the caller keeps alive through the backward (``_peak_model.step_terms`` takes them
+   out).
+4. **A candidate's cost and the profile** (:class:`ModuleCost`, :class:`ModelProfile`):
+   the costs of each candidate module in one forward of the model, and of all of them
+   with the training step. ``ModuleCost`` is the one record of a candidate's cost from
+   the step that measures it to the solver; each of its fields says how a fit over input
+   shapes takes it (``ModuleCost.terms``).
 """
 
 from __future__ import annotations

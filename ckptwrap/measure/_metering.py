@@ -1,55 +1,42 @@
-"""Measuring one training step into a :class:`ModelProfile`: what operators cost in
-time, what a measured step keeps per candidate and per call, the recorder the marks feed,
-and the step run on given inputs (``profile_modules``).
+"""Measuring one training step into a :class:`ModelProfile`.
 
-Measuring one training step into a profile: the step runs with every outermost
-candidate checkpointed (the plan of least memory, whose phases can be told apart), and
-this recorder, fed by the candidates as they run and are recomputed, learns what each
-would keep, take and cost if it were plain, and what the step held phase by phase.
+The step runs with every outermost candidate checkpointed (the plan of least memory,
+whose phases can be told apart), and a recorder (:class:`StepRecorder`), fed by the
+candidates as they run and are recomputed, learns what each would keep, take and cost if
+it were plain, and what the step held phase by phase. The step may be the user's own (a
+training forward, the user's loss, the user's backward: whatever they keep alive counts)
+or one run on example inputs (:func:`measure_inputs`: ``plan``,
+``wrap_model(..., example_inputs=...)``, the doctor, the command line), whose loss is
+backpropagated with ``torch.autograd.grad`` (the model's ``.grad`` fields untouched; a
+model sharded by FSDP2, or one with a re-entrant region, backpropagates into fresh
+``.grad`` fields put back after, FSDP2's counted storage by storage through its hooks).
 
-The step may be the user's own (a training forward, the user's loss, the user's
-backward: whatever they keep alive counts) or one run on example inputs
-(``profile_modules``). Nothing runs that the step would not run: a candidate's saved tensors
-are seen as its region drops them (``engine.observe_saved``), its operators through a
+Nothing runs that the step would not run: a candidate's saved tensors are seen as its
+region drops them (``engine.observe_saved``), its operators through the phase meter's
 dispatch mode inside its forward, and its working set as it is recomputed (through the
-same mode, put on the stack for the recomputation alone: the backward around it runs with
-none, as an unmetered one does).
+same mode, put on the stack for the recomputation alone: the backward around it runs
+with none, as an unmetered one does). Bookkeeping never raises into the step: a failure
+ends the recording (``failed``) and the step goes on as it would have.
 
-Bookkeeping never raises into the step: a failure ends the recording (``failed``) and
-the step goes on as it would have.
+In this module, in order:
 
-What each candidate module costs, measured on one training step run on given inputs:
-every outermost candidate checkpointed, the step's loss backpropagated with
-``torch.autograd.grad`` (the model's ``.grad`` fields untouched; a model sharded by
-FSDP2, or one with a re-entrant region, backpropagates into fresh ``.grad`` fields put
-back after, FSDP2's counted storage by storage through its hooks), and a recorder
-(``StepRecorder``) fed by the candidates as they run and are recomputed.
-
-This is how costs are measured where the caller hands example inputs (``plan``,
-``wrap_model(..., example_inputs=...)``, the doctor, the command line); a wrapped model
-learns from its own training steps instead, through the same recorder.
-
-What a measured step keeps per candidate while it runs: its :class:`Record` (its
-``ModuleCost`` itself, added up call by call, and the step's own bookkeeping beside it),
-and the ledger of which storages are the inputs of which outermost calls.
-
-The account a measured step keeps of its candidates' calls: per call, what it takes,
-saves and returns; across calls, the storages outside every candidate (the base), which
-inputs are shared, which calls chain; and, at the end, each candidate's ``ModuleCost``.
-
-Fed by the step recorder (``StepRecorder``), which sees the calls as they happen.
-
-What operators cost in time, and keeping the random number generators' state (so that a
-step run to be measured changes neither what it draws nor what the model draws next):
-what one operator costs to run through a measuring dispatch mode, so that times metered
-under one are told apart from the work itself; and the prices the budget solver weighs
-recomputations at, from what they run (operators, FLOPs, bytes), so that a run's timing
-noise decides no plan.
-
-A small text progress bar on standard error, for long measurements.
-
-It draws only on a terminal (or when asked explicitly), so logs and captured output of
-scripts and tests stay clean. It has no dependencies beyond the standard library.
+1. What an operator costs in time beyond its work under a measuring dispatch mode
+   (``dispatch_cost``, ``recording_cost``, ``selective_cost``), so that metered times are
+   told apart from the work itself; and the prices the solver weighs recomputations at
+   (:class:`RecomputePrices`), from what they run (operators, FLOPs, bytes), so that a
+   run's timing noise decides no plan.
+2. The account of one step's candidate calls (:class:`CallBook`): per candidate its
+   :class:`Record` (its ``ModuleCost`` itself, added up call by call, and the step's own
+   bookkeeping beside it); per call what it takes, saves and returns (:class:`Call`);
+   across calls the storages outside every candidate (the base), which inputs are shared
+   (:class:`InputLedger`) and which calls chain; at the end, each candidate's
+   ``ModuleCost``.
+3. The recorder (:class:`StepRecorder`), which sees the calls as they happen and cuts
+   the step into phases.
+4. The step run on given inputs (:func:`measure_inputs`), the model, its random number
+   generators and Python's collector left as they were.
+5. A small text progress bar on standard error for long measurements
+   (:class:`ProgressBar`), drawn only on a terminal or when asked.
 """
 
 from __future__ import annotations
@@ -471,96 +458,6 @@ _MIN_ITEMS = 20
 _WIDTH = 28
 # Redrawing on every step would slow down profiles of models with thousands of modules.
 _MIN_INTERVAL = 0.1
-
-
-def should_show(progress: Optional[bool], items: int, *, stream: Optional[TextIO] = None) -> bool:
-    """Whether to draw a bar: as forced by ``progress``, else on a terminal for many items.
-
-    Args:
-        progress: ``True`` or ``False`` to force the bar on or off; ``None`` to decide.
-        items: How many items the work goes through.
-        stream: Where the bar would be drawn; standard error by default.
-
-    Returns:
-        ``progress`` if it is not ``None``; otherwise whether there are more than
-        about twenty items and ``stream`` is a terminal.
-    """
-    if progress is not None:
-        return bool(progress)
-    if items <= _MIN_ITEMS:
-        return False
-    stream = sys.stderr if stream is None else stream
-    isatty = getattr(stream, "isatty", None)
-    try:
-        return bool(isatty()) if callable(isatty) else False
-    except (ValueError, OSError):  # a closed or detached stream
-        return False
-
-
-class ProgressBar:
-    """A one-line bar that is redrawn in place, e.g. ``profiling |#####     | 12/40 3.1s``.
-
-    A disabled bar does nothing, so callers need no ``if`` around each update.
-
-    Args:
-        total: The number of steps that make a full bar.
-        label: Text shown before the bar.
-        enabled: Whether to draw at all.
-        stream: Where to draw; standard error (looked up now, not at import) by default.
-    """
-
-    def __init__(
-        self, total: int, *, label: str, enabled: bool, stream: Optional[TextIO] = None
-    ) -> None:
-        self._total = max(int(total), 0)
-        self._label = label
-        self._enabled = enabled
-        self._stream = sys.stderr if stream is None else stream
-        self._done = 0
-        self._start = time.perf_counter()
-        self._last_draw = float("-inf")
-        self._drawn: Optional[str] = None  # the line on screen now
-
-    @property
-    def done(self) -> int:
-        """Steps completed so far."""
-        return self._done
-
-    def update(self, steps: int = 1) -> None:
-        """Advance by ``steps`` (never past the total) and redraw if it is time to."""
-        self._done = min(self._done + steps, self._total)
-        if not self._enabled or steps <= 0:
-            return
-        now = time.perf_counter()
-        if self._done >= self._total or now - self._last_draw >= _MIN_INTERVAL:
-            self._draw(now)
-
-    def close(self) -> None:
-        """Finish the line, so that later output starts on a fresh one."""
-        if self._enabled and self._drawn is not None:
-            self._draw(time.perf_counter())
-            self._stream.write("\n")
-            self._stream.flush()
-        self._enabled = False
-
-    def __enter__(self) -> "ProgressBar":
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def _draw(self, now: float) -> None:
-        filled = _WIDTH * self._done // self._total if self._total else _WIDTH
-        bar = "#" * filled + " " * (_WIDTH - filled)
-        line = f"{self._label} |{bar}| {self._done}/{self._total} {now - self._start:.1f}s"
-        if line == self._drawn:
-            return
-        # Blank out what is left of a longer line drawn before (a longer label, say).
-        padding = " " * max(len(self._drawn or "") - len(line), 0)
-        self._stream.write(f"\r{line}{padding}")
-        self._stream.flush()
-        self._last_draw = now
-        self._drawn = line
 
 
 @dataclasses.dataclass
@@ -1420,3 +1317,93 @@ def _generators_kept(device: torch.device) -> Any:
         return torch.random.fork_rng(devices=[])
     index = device.index if device.index is not None else module.current_device()
     return torch.random.fork_rng(devices=[index], device_type=device.type)
+
+
+def should_show(progress: Optional[bool], items: int, *, stream: Optional[TextIO] = None) -> bool:
+    """Whether to draw a bar: as forced by ``progress``, else on a terminal for many items.
+
+    Args:
+        progress: ``True`` or ``False`` to force the bar on or off; ``None`` to decide.
+        items: How many items the work goes through.
+        stream: Where the bar would be drawn; standard error by default.
+
+    Returns:
+        ``progress`` if it is not ``None``; otherwise whether there are more than
+        about twenty items and ``stream`` is a terminal.
+    """
+    if progress is not None:
+        return bool(progress)
+    if items <= _MIN_ITEMS:
+        return False
+    stream = sys.stderr if stream is None else stream
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty()) if callable(isatty) else False
+    except (ValueError, OSError):  # a closed or detached stream
+        return False
+
+
+class ProgressBar:
+    """A one-line bar that is redrawn in place, e.g. ``profiling |#####     | 12/40 3.1s``.
+
+    A disabled bar does nothing, so callers need no ``if`` around each update.
+
+    Args:
+        total: The number of steps that make a full bar.
+        label: Text shown before the bar.
+        enabled: Whether to draw at all.
+        stream: Where to draw; standard error (looked up now, not at import) by default.
+    """
+
+    def __init__(
+        self, total: int, *, label: str, enabled: bool, stream: Optional[TextIO] = None
+    ) -> None:
+        self._total = max(int(total), 0)
+        self._label = label
+        self._enabled = enabled
+        self._stream = sys.stderr if stream is None else stream
+        self._done = 0
+        self._start = time.perf_counter()
+        self._last_draw = float("-inf")
+        self._drawn: Optional[str] = None  # the line on screen now
+
+    @property
+    def done(self) -> int:
+        """Steps completed so far."""
+        return self._done
+
+    def update(self, steps: int = 1) -> None:
+        """Advance by ``steps`` (never past the total) and redraw if it is time to."""
+        self._done = min(self._done + steps, self._total)
+        if not self._enabled or steps <= 0:
+            return
+        now = time.perf_counter()
+        if self._done >= self._total or now - self._last_draw >= _MIN_INTERVAL:
+            self._draw(now)
+
+    def close(self) -> None:
+        """Finish the line, so that later output starts on a fresh one."""
+        if self._enabled and self._drawn is not None:
+            self._draw(time.perf_counter())
+            self._stream.write("\n")
+            self._stream.flush()
+        self._enabled = False
+
+    def __enter__(self) -> "ProgressBar":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _draw(self, now: float) -> None:
+        filled = _WIDTH * self._done // self._total if self._total else _WIDTH
+        bar = "#" * filled + " " * (_WIDTH - filled)
+        line = f"{self._label} |{bar}| {self._done}/{self._total} {now - self._start:.1f}s"
+        if line == self._drawn:
+            return
+        # Blank out what is left of a longer line drawn before (a longer label, say).
+        padding = " " * max(len(self._drawn or "") - len(line), 0)
+        self._stream.write(f"\r{line}{padding}")
+        self._stream.flush()
+        self._last_draw = now
+        self._drawn = line

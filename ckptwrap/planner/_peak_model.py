@@ -1,29 +1,27 @@
-"""The peak model and the items it is priced on: what one candidate costs, the peak a
-choice of checkpointed candidates reaches, the selective levels of a candidate, and the
-items a profile gives the solver.
+"""The peak model of the budget planner, and the items it is priced on.
 
-The peak model of the budget planner: what one candidate costs (:class:`CostItem`),
-the activation peak a choice of checkpointed candidates is predicted to reach
-(:func:`predicted_peak`, whose docstring is the model's specification), and the moments
-that make it up: what is alive at each point of the training step that can set its peak,
-for one plan. The solver (``_solver``) optimises over this model with the same moments;
-it knows nothing of modules.
+The solver (``_solver``) knows nothing of modules: it optimises over this model, with the
+same moments, on one item per candidate. In this module, in order:
 
-The step's own terms (``forward``, ``recompute_grads``, ``grads`` and the tail) come from
-one measured step with every candidate checkpointed: each is what a phase of it reached
-beyond the activation part of the very moment that predicts that phase
-(:func:`step_terms`), so measurement and prediction share their algebra here.
-
-Selective levels of one candidate: ways to checkpoint it that save the outputs of some
-of its operators and recompute the rest, derived from its measured operators.
-
-Each level is a :class:`CostOption` the solver can choose instead of recomputing the whole
-candidate, with the operator instances a selective policy must save to carry it out.
-
-From a profile to the solver's items: what checkpointing each measured candidate
-frees, holds and costs, in the order the forward calls them, with its selective levels
-and the terms of the profile's measured step. Times are the profile's prices
-(``_timing.RecomputePrices``): the same counts give the same plan in every process.
+1. **The items**: what one candidate costs (:class:`CostItem`) and each way of
+   checkpointing it other than recomputing it whole (:class:`CostOption`).
+2. **The peak**: the activation peak a choice of checkpointed candidates is predicted to
+   reach (:func:`predicted_peak`, whose docstring is the model's specification), and the
+   moments that make it up: what is alive at each point of the training step that can
+   set its peak, for one plan. The step's own terms (``forward``, ``recompute_grads``,
+   ``grads`` and the tail) come from one measured step with every candidate checkpointed:
+   each is what a phase of it reached beyond the activation part of the very moment that
+   predicts that phase (:func:`step_terms`), so measurement and prediction share their
+   algebra here.
+3. **Selective levels** of one candidate (:class:`Level`): ways to checkpoint it that save
+   the outputs of some of its operators and recompute the rest, derived from its measured
+   operators; each is a :class:`CostOption` the solver can choose instead of recomputing
+   the whole candidate, with the operator instances a selective policy must save to carry
+   it out.
+4. **From a profile to the items**: what checkpointing each measured candidate frees,
+   holds and costs, in the order the forward calls them, with its selective levels and
+   the terms of the profile's measured step. Times are the profile's prices
+   (``measure.RecomputePrices``): the same counts give the same plan in every process.
 """
 
 from __future__ import annotations

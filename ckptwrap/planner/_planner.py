@@ -1,20 +1,16 @@
-"""The planner's decisions: for each training forward, what it runs under (a plan solved
-for its shape, found among those solved, or the plan of least memory measured) and the
-step that follows it to its end (``PlannedStep``, whose docstring lists its states), the
-budget in bytes at each shape, and which solved steps are checked.
-
-The planner of one model and policy: what to do at each training forward, learned from
-the training steps themselves.
+"""The planner of one model and policy (:class:`ShapePlanner`): what to do at each
+training forward, learned from the training steps themselves.
 
 Each training forward is a :class:`Decision`. Where the costs at its shape are known (a
 step measured at that shape, a trusted fit that stands for it, or a bound from a shape
 measured, ``LayoutCosts``), it is a solve: the plan of least recompute time whose
 predicted peak fits the budget, less the margin the closed loop added, and some of those
-steps are checked against their prediction (``PlannedStep.end``). Where they
-are not, or a bound puts every plan over the budget, or learning may spend the time
-(``CheckSchedule``), the step runs under the plan of least memory (every candidate
-checkpointed) and is measured as it runs (``PlannedStep.end``). Example inputs
-are real inputs too: :meth:`choose` measures one step on them at once.
+steps are checked against their prediction. Where they are not, or a bound puts every
+plan over the budget, or learning may spend the time, the step runs under the plan of
+least memory (every candidate checkpointed) and is measured as it runs. Either way the
+step that follows the forward to its end is a :class:`PlannedStep`, whose docstring lists
+its states; it hands its profile or its check back at the end of its backward. Example
+inputs are real inputs too: :meth:`ShapePlanner.choose` measures one step on them at once.
 
 A budget in bytes is the same at every shape. ``budget:NN%`` is NN% of the predicted
 un-checkpointed step peak at the largest shape planned so far (largest by that peak),
@@ -23,49 +19,44 @@ turned into bytes. A shape that no plan fits gets its plan of least memory, said
 at another shape, measured steps included (``strict`` raises instead: at wrap time with
 example inputs).
 
-What one training forward runs under, as the planner decided it.
+In this module, in order:
 
-From a profile at one shape to a plan's choice: the solver's items with the step's
-terms, the un-checkpointed peak, and, for a budget, the plan of least recompute time that
-fits it (or, where none does, the plan of least memory).
-
-What a planner keeps of the plans it solved: the plans by the profile, budget and
-margin they were solved under, the shapes' un-checkpointed peaks, and the shapes the
-un-checkpointed step fitted at (a shape no larger in any shape variable needs no plan:
-the step's costs grow with every variable, so its forward runs with nothing checkpointed
-without evaluating a fit or solving).
-
-The budget in bytes a planner solves for at each shape: an amount, the same at every
-shape; a share of the largest un-checkpointed peak planned for so far (or predicted at
-the declared largest shapes); or a device's memory less what the model holds there.
-
-Which solved training steps are metered against their prediction, the closed loop's
-checks: each check costs a metered step (on the CPU, every operator goes through a
-counting dispatch mode; on an accelerator, reading the allocator's statistics is free).
-
-A check is due after a step is measured (one the planner could not do without: a step
-measured to learn was a test of the costs already) and after a check that missed, then
-after 1, 2, 4, then every 8 solved steps while they hit. On the CPU checks are spaced
-further, so that the time they add beyond unmetered steps stays within ``SHARE`` of the
-training time of the steps between them; there the check due after a measurement or a
-miss waits for a step no larger than the steps so far on average (or for the credit to
-pay for a larger one), rather than metering whichever comes next.
-
-Also here: when a step may be measured to learn, where a bound from the shapes measured
-already would do (``may_learn``). Measured steps cost several unmetered ones; those the
-planner cannot do without (a layout's first shape, a shape no bound fits the budget at, a
-shape whose plan missed) are always taken, and those it takes to learn more (to find a
-fit it can trust, for plans closer to the budget) add at most ``LEARN_SHARE`` of the
-training time, counted as checks are.
-
-What a metered step adds grows with the step: each step comes with its *size* (the
-product of its shape variables, batch and lengths: a measure of its work known before it
-runs, whatever its costs came from). Unmetered steps give a line through the shortest
-step timed and their running means of seconds and size (a small model's steps take about
-the same at any size: the operators' launch, not their work), and a metered step what it
-adds as a share of the time an unmetered step of its size takes. A check or measurement
-is due where that share of the coming step's own time is within what the training so
-far allows: a check learned on a short batch is not taken as the price of a long one.
+1. **Which steps are metered** (:class:`CheckSchedule`). Each check costs a metered step
+   (on the CPU every operator goes through a counting dispatch mode; on an accelerator,
+   reading the allocator's statistics is free). A check is due after a step is measured
+   (one the planner could not do without: a step measured to learn was a test of the
+   costs already) and after a check that missed, then after 1, 2, 4, then every 8 solved
+   steps while they hit. On the CPU checks are spaced further, so that the time they add
+   beyond unmetered steps stays within ``SHARE`` of the training time of the steps
+   between them; there the check due after a measurement or a miss waits for a step no
+   larger than the steps so far on average (or for the credit to pay for a larger one).
+   Also here: when a step may be measured to learn where a bound from the shapes measured
+   already would do (``may_learn``). Those the planner cannot do without (a layout's first
+   shape, a shape no bound fits the budget at, a shape whose plan missed) are always
+   taken; those it takes to learn more (to find a fit it can trust, for plans closer to
+   the budget) add at most ``LEARN_SHARE`` of the training time, counted as checks are.
+   What a metered step adds grows with the step: each step comes with its *size* (the
+   product of its shape variables, a measure of its work known before it runs).
+   Unmetered steps give a line through the shortest step timed and their running means
+   of seconds and size (a small model's steps take about the same at any size: the
+   operators' launch, not their work), and a metered step what it adds as a share of the
+   time an unmetered step of its size takes: a check learned on a short batch is not
+   taken as the price of a long one.
+2. **From a profile at one shape to a plan's choice** (:func:`choose`, :class:`Choice`):
+   the solver's items with the step's terms, the un-checkpointed peak, and, for a budget,
+   the plan of least recompute time that fits it (or, where none does, the plan of least
+   memory).
+3. **The plans solved** (:class:`PlanCache`, :class:`NothingNeeded`): the plans by the
+   profile, budget and margin they were solved under, the shapes' un-checkpointed peaks,
+   and the shapes the un-checkpointed step fitted at (a shape no larger in any shape
+   variable needs no plan: the step's costs grow with every variable, so its forward runs
+   with nothing checkpointed without evaluating a fit or solving).
+4. **The budget in bytes at each shape** (:class:`BudgetReading`): an amount, the same at
+   every shape; a share of the largest un-checkpointed peak planned for so far (or
+   predicted at the declared largest shapes); or a device's memory less what the model
+   holds there.
+5. **The decisions** (:class:`Decision`, :class:`ShapePlanner`) and **the step that
+   follows one** (:class:`PlannedStep`).
 """
 
 from __future__ import annotations

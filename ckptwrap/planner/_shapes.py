@@ -1,94 +1,82 @@
-"""Costs over input shapes: the shape variables of a model's inputs, the monomials a fit
-draws on, the fit of every cost term over them, and what the planner knows of each
-layout of inputs.
+"""Costs over input shapes. Every term of the profiles of real steps, measured at the
+shapes the caller's inputs took, is fitted as a polynomial in the inputs' shape
+variables, so that the profile at another shape is a few dot products rather than a new
+measurement; the inputs themselves are never changed or made up. In this module, in
+order:
 
-What the planner knows of one layout of a model's inputs: the profiles of the steps
-measured at its shapes, their fit over the shape variables (``CostFit``), whether that fit
-may stand for shapes not measured, and the margin the closed loop added.
+1. **The shape variables** of a model's inputs (:class:`InputLayout`, ``read_layout``):
+   which tensor dimensions carry the batch and which a length (a sequence length, an
+   image side), read from one forward's inputs, and the sizes another forward's inputs
+   give them. The rule, from one forward's inputs:
 
-A fit is trusted once it has predicted a measured step it was not fitted on, within
-``_TRUST_UNDER`` (too low) and ``_TRUST_OVER`` (too high) of that step's peak; the fits
-after it keep to its monomials (its *form*) while they predict the steps measured next,
-and fit all the monomials the shapes tell apart again after one they miss. A trusted fit
-stands only where the measured shapes determine it (a batch measured at one size says
-nothing of another) and where no monomial it leaves out, fitted beside its own, would
-move its peaks by more than those shares (``CostFit.leeway``), and up to a tenth past the
-largest size of each variable measured. Elsewhere a bound from a measured shape stands
-(``_bounded_at``): costs grow with the shape, so a larger measured shape bounds them, and
-a smaller one scaled up by its growth. A checked step above its prediction adds that share of the
-un-checkpointed peak as a margin; a large miss at a shape not measured has that shape
-measured again.
+   * The **batch** is the first dimension most tensors of two or more dimensions share
+     (``input_ids``, ``attention_mask`` and ``labels`` of ``(B, S)``), when it is 2 or
+     more; every tensor whose first dimension has that size carries it there. Packed
+     sequences (``(1, T)`` with ``position_ids`` restarting) have no batch.
+   * **Lengths** are the other dimensions that vary in training as people feed models:
+     every further dimension of an integer or boolean tensor of two or more dimensions
+     (token ids, masks, labels), the second dimension of a floating-point tensor of three
+     dimensions (``(B, T, F)``: time steps, not features) and the dimensions after the
+     second of one of four or five (``(B, C, H, W)``: the image, not its channels).
+     Dimensions of one size are one length; a floating-point tensor's other dimensions of
+     that size follow it too (a float mask of ``(B, 1, S, S)``). Sizes below 2 are never
+     a length. A variable that never changes in training costs nothing: the fit leaves
+     it be.
+   * Beside tensors of two or more dimensions, a one-dimensional integer tensor that
+     carries no variable (the offsets of packed sequences, ``cu_seq_lens``) is **free**:
+     its size may change and is no variable. Without any (a flat token sequence), its
+     dimension is a length.
+   * Everything else is fixed: another forward must give it the same size, the same
+     structure of arguments and the same dtypes, or it does not fit this layout as read.
 
-A layout is widened where inputs differ from it in sizes only (``InputLayout.widened``):
-the dimensions that changed become variables of it, what was measured keeps its place
-(at the sizes those dimensions had), and no new layout is opened.
+   What the rule misses, the steps tell: inputs of the same structure, dtypes and ranks
+   that give a fixed dimension another size (the patches of images at another resolution,
+   a second input's length, a flat stream of packed tokens), or that give one variable's
+   dimensions two sizes (an image's height and width), fit the layout
+   :meth:`InputLayout.widened` by them, where those dimensions are variables of their
+   own. A variable found so has the size it took before as its value at the shapes
+   measured then (``InputLayout.extended``), so nothing measured is lost, any number of
+   sizes share one layout, and no new layout is opened.
 
-The shape variables of a model's inputs: which tensor dimensions carry the batch and
-which a length (a sequence length, an image side), read from one forward's inputs, and
-the sizes another forward's inputs give them. Costs are fitted over these variables; the
-inputs themselves are never changed or made up.
+2. **Polynomials** over the shape variables (:class:`Poly`): the monomials a fit may draw
+   on, those a set of measured shapes can tell apart, and least-squares fits of many
+   columns at once, kept as plain floats so that evaluating one allocates no tensor
+   (plans are solved at the start of a training step, inside its memory).
 
-The rule, from one forward's inputs:
+3. **The fit of every cost term** (:class:`CostFit`). Bytes that storages hold are sums
+   of tensor sizes, so each is a polynomial in the batch ``b`` and the lengths: the fit
+   draws on the monomials of degree at most 1 in ``b`` and at most 2 in the lengths
+   together, those a tensor's size can be first (``1, b, b*s, b*s^2``, then ``s, s^2``,
+   for a length the inputs carry beside the batch; ``monomials``), taking those the
+   measured shapes can tell apart (a batch that never changed is no variable; two lengths
+   fit a line, three a parabola). Each term is then raised by its largest miss on the
+   measured shapes, so that the fit lies on or above every one of them (a term that
+   depends on content as well, such as attention with or without a padding mask, is
+   followed at its highest). A peak is not such a sum but the largest of its moments, and
+   which moment is largest changes with the shape (the feed-forward's hidden states at
+   short lengths, attention scores at long ones), so each moment is fitted, and a peak is
+   the largest fitted moment. What the allocator held beyond the meter's moments
+   (workspaces, on accelerators) is fitted as one more term. Seconds are modelled per
+   candidate as ``overhead + rate * work``, ``work`` being its counted FLOPs plus its
+   created bytes (both polynomials), fitted to the measured steps. Where a fit has more
+   samples than monomials, :meth:`CostFit.leeway` says how far each monomial it leaves
+   out, fitted beside them, would move its peaks at another shape.
 
-* The **batch** is the first dimension most tensors of two or more dimensions share
-  (``input_ids``, ``attention_mask`` and ``labels`` of ``(B, S)``), when it is 2 or more;
-  every tensor whose first dimension has that size carries it there. Packed sequences
-  (``(1, T)`` with ``position_ids`` restarting) have no batch.
-* **Lengths** are the other dimensions that vary in training as people feed models:
-  every further dimension of an integer or boolean tensor of two or more dimensions
-  (token ids, masks, labels), the second dimension of a floating-point tensor of three
-  dimensions (``(B, T, F)``: time steps, not features) and the dimensions after the
-  second of one of four or five (``(B, C, H, W)``: the image, not its channels).
-  Dimensions of one size are one length; a floating-point tensor's other dimensions of
-  that size follow it too (a float mask of ``(B, 1, S, S)``). Sizes below 2 are never a
-  length. A variable that never changes in training costs nothing: the fit leaves it be.
-* Beside tensors of two or more dimensions, a one-dimensional integer tensor that
-  carries no variable (the offsets of packed sequences, ``cu_seq_lens``) is **free**: its
-  size may change and is no variable. Without any (a flat token sequence), its
-  dimension is a length.
-* Everything else is fixed: another forward must give it the same size, the same
-  structure of arguments and the same dtypes, or it does not fit this layout as read.
-
-What the rule misses, the steps tell: inputs of the same structure, dtypes and ranks that
-give a fixed dimension another size (the patches of images at another resolution, a
-second input's length, a flat stream of packed tokens), or that give one variable's
-dimensions two sizes (an image's height and width), fit the layout :meth:`widened` by
-them, where those dimensions are variables of their own. A variable found so has the
-size it took before as its value at the shapes measured then (``InputLayout.extended``),
-so nothing measured is lost, and any number of sizes share one layout.
-
-Costs over input shapes: every term of the profiles of real steps, measured at the
-shapes the caller's inputs took, fitted as a polynomial in the inputs' shape variables,
-so that the profile at another shape is a few dot products rather than a new measurement.
-
-Bytes that storages hold are sums of tensor sizes, so each is a polynomial in the batch
-``b`` and the lengths: the fit draws on the monomials of degree at most 1 in ``b`` and
-at most 2 in the lengths together, those a tensor's size can be first (``1, b, b*s,
-b*s^2``, then ``s, s^2``, for a length the inputs carry beside the batch; ``monomials``),
-taking those the measured shapes can tell apart (a batch that never changed is no
-variable; two lengths fit a line, three a parabola). Each term is then raised by its
-largest miss on the measured shapes, so that the fit lies on or above every one of them
-(a term that depends on content as well, such as attention with or without a padding
-mask, is followed at its highest). A peak is not such a sum but the largest of its moments, and
-which moment is largest changes with the shape (the feed-forward's hidden states at
-short lengths, attention scores at long ones), so each moment is fitted, and a peak is
-the largest fitted moment. What the allocator held beyond the meter's moments
-(workspaces, on accelerators) is fitted as one more term.
-
-Seconds are modelled per candidate as ``overhead + rate * work``, ``work`` being its
-counted FLOPs plus its created bytes (both polynomials), fitted to the measured steps.
-
-Whether a fit may stand for shapes not measured is decided by the planner, which trusts
-it once it has predicted a measured step it was not fitted on (``LayoutCosts``), and then
-keeps to its monomials while they predict the steps measured after. Where such a fit has
-more samples than monomials, :meth:`CostFit.leeway` says how far each monomial it leaves
-out, fitted beside them, would move its peaks at another shape: it stands where none
-would move them much, and where the samples determine the costs at all.
-
-Polynomials over the inputs' shape variables: the monomials a fit may draw on, those a
-set of measured shapes can tell apart, and least-squares fits of many columns at once,
-kept as plain floats so that evaluating one allocates no tensor (plans are solved at the
-start of a training step, inside its memory).
+4. **What the planner knows of one layout** (:class:`LayoutCosts`, the most recently used
+   of them in :class:`Layouts`): the profiles of the steps measured at its shapes, their
+   fit, whether that fit may stand for shapes not measured, and the margin the closed
+   loop added. A fit is trusted once it has predicted a measured step it was not fitted
+   on, within ``_TRUST_UNDER`` (too low) and ``_TRUST_OVER`` (too high) of that step's
+   peak; the fits after it keep to its monomials (its *form*) while they predict the
+   steps measured next, and fit all the monomials the shapes tell apart again after one
+   they miss. A trusted fit stands only where the measured shapes determine it (a batch
+   measured at one size says nothing of another) and where no monomial it leaves out
+   would move its peaks by more than those shares (``CostFit.leeway``), and up to a tenth
+   past the largest size of each variable measured. Elsewhere a bound from a measured
+   shape stands (``_bounded_at``): costs grow with the shape, so a larger measured shape
+   bounds them, and a smaller one scaled up by its growth. A checked step above its
+   prediction adds that share of the un-checkpointed peak as a margin; a large miss at a
+   shape not measured has that shape measured again.
 """
 
 from __future__ import annotations
