@@ -330,7 +330,7 @@ def _profiled(monkeypatch=None):
 def test_without_the_allocator_switch_a_step_is_measured_as_with_it(monkeypatch):
     """The fallback where the switch is missing: readings keep the profiler's own table,
     and a step whose blocks' frees it reports alike measures the same bytes."""
-    _profiled()  # a process's first recomputation allocates 32 bytes once, for good
+    _profiled()  # a process's first measured step reads 32 bytes more in one recomputation (made once)
     kept = _profiled()
     monkeypatch.setattr(_torch_private, "_cpu_allocation_flag", None)
     assert not _torch_private.keep_cpu_allocation_table()

@@ -673,7 +673,7 @@ def test_candidates_under_a_save_policy_measure_the_same_every_run():
     model = nn.Sequential(Block(), Block(), Block())
     x = torch.randn(2, 16, 64)
     names = ["0", "1", "2", "0.o", "1.o", "2.o"]
-    # A process's first recomputation under a policy allocates 32 bytes once, for good.
+    # A process's first measured step reads 32 bytes more in its first recomputation (made once).
     profile_modules(model, names, (x,), step=True, save_policy=save_matmuls)
     runs = set()
     for _ in range(8):
