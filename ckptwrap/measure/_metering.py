@@ -453,12 +453,6 @@ def highest_each(known: Tuple[int, ...], new: Tuple[int, ...]) -> Tuple[int, ...
     return new if max(new, default=0) > max(known, default=0) else known
 
 
-# Below this many items a measurement is quick enough that a bar is only noise.
-_MIN_ITEMS = 20
-_WIDTH = 28
-# Redrawing on every step would slow down profiles of models with thousands of modules.
-_MIN_INTERVAL = 0.1
-
 
 @dataclasses.dataclass
 class Call:
@@ -1317,6 +1311,13 @@ def _generators_kept(device: torch.device) -> Any:
         return torch.random.fork_rng(devices=[])
     index = device.index if device.index is not None else module.current_device()
     return torch.random.fork_rng(devices=[index], device_type=device.type)
+
+
+# Below this many items a measurement is quick enough that a bar is only noise.
+_MIN_ITEMS = 20
+_WIDTH = 28
+# Redrawing on every step would slow down profiles of models with thousands of modules.
+_MIN_INTERVAL = 0.1
 
 
 def should_show(progress: Optional[bool], items: int, *, stream: Optional[TextIO] = None) -> bool:
