@@ -343,7 +343,8 @@ def _cpu_allocation_switch() -> Optional[Any]:
 # stood at the same address before (the table is not cleared when a reading ends).
 _cpu_allocation_flag = _cpu_allocation_switch()
 _cpu_table_lock = threading.Lock()
-_cpu_table_kept = [0, False]  # keepers now, and the switch as the first of them found it
+_cpu_table_keepers = 0
+_cpu_table_found = False  # the switch as the first keeper found it
 
 
 def keep_cpu_allocation_table() -> bool:
@@ -353,12 +354,13 @@ def keep_cpu_allocation_table() -> bool:
     allocated since, at its own size. It costs about 3 us per CPU allocation (the
     allocator logs each at INFO, shown only with ``TORCH_CPP_LOG_LEVEL=INFO``). False
     where it cannot be done (nothing to let go then)."""
+    global _cpu_table_keepers, _cpu_table_found
     if _cpu_allocation_flag is None:
         return False
     with _cpu_table_lock:
-        if not _cpu_table_kept[0]:
-            _cpu_table_kept[1] = bool(_cpu_allocation_flag.value)
-        _cpu_table_kept[0] += 1
+        if not _cpu_table_keepers:
+            _cpu_table_found = bool(_cpu_allocation_flag.value)
+        _cpu_table_keepers += 1
         _cpu_allocation_flag.value = True
     return True
 
@@ -366,12 +368,13 @@ def keep_cpu_allocation_table() -> bool:
 def let_cpu_allocation_table_go() -> None:
     """End one :func:`keep_cpu_allocation_table`; the last one puts the switch back as it
     was found."""
+    global _cpu_table_keepers
     with _cpu_table_lock:
-        if _cpu_allocation_flag is None or not _cpu_table_kept[0]:
+        if _cpu_allocation_flag is None or not _cpu_table_keepers:
             return
-        _cpu_table_kept[0] -= 1
-        if not _cpu_table_kept[0]:
-            _cpu_allocation_flag.value = _cpu_table_kept[1]
+        _cpu_table_keepers -= 1
+        if not _cpu_table_keepers:
+            _cpu_allocation_flag.value = _cpu_table_found
 
 
 def _saved_tensors_hooks_readers() -> Tuple[Callable[[], bool], Callable[[], Any]]:

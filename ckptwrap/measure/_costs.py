@@ -774,7 +774,10 @@ class ModuleCost:
         # From JSON (``to_dict``), the operators and moments come back as lists of dicts.
         ops = tuple(op if isinstance(op, OpCost) else OpCost(**op) for op in self.ops)
         object.__setattr__(self, "ops", ops)
-        object.__setattr__(self, "forward_moments", tuple(int(m) for m in self.forward_moments))
+        moments = self.forward_moments
+        if not (type(moments) is tuple and all(type(m) is int for m in moments)):
+            # Kept as they are when already a tuple of ints (a record replaced call by call).
+            object.__setattr__(self, "forward_moments", tuple(int(m) for m in moments))
 
     def to_dict(self) -> Dict[str, Any]:
         """The fields as a JSON-friendly dict."""

@@ -640,8 +640,11 @@ class CallBook:
             self.base.claims.setdefault(storage, claim)
 
     def recomputed(self, record: Record, window: Window) -> None:
-        record.put(forward_moments=highest_each(record.cost.forward_moments, window.moments))
-        record.most(forward_peak_bytes=window.peak)
+        cost = record.cost
+        record.put(
+            forward_moments=highest_each(cost.forward_moments, window.moments),
+            forward_peak_bytes=max(cost.forward_peak_bytes, window.peak),
+        )
         # The meter's own cost per operator taken off: the recomputation as it runs unmetered.
         record.recompute_seconds += max(0.1 * window.seconds, window.seconds - window.ops * dispatch_cost())
         record.recomputed += 1
