@@ -205,12 +205,14 @@ def test_under_fsdp2_each_rank_peaks_where_its_plan_says(ranks):
     dtype) that neither FSDP2 nor the plan holds, which the tracker and the allocator see
     when it falls at the iteration's peak (bfloat16 parameters, 1 x 96: 5.6%), and that
     gloo's threads at times free late (the allocator's readings vary by as much from
-    iteration to iteration; the tracker's do not). Before the planned step's backward was
-    FSDP2's own and counted through its hooks, plans read 7-33% under."""
+    iteration to iteration; the tracker's do not). The step measured for the plan meets
+    the same copies: once in a loaded run, rank 0's ``none`` under ``keep-gathered``
+    predicted one layer's parameters (262,500 bytes) above the tracker. Before the planned
+    step's backward was FSDP2's own and counted through its hooks, plans read 7-33% under."""
     for report in _fsdp2_reports(ranks):
         for row in report["planned"]:
             tracked, gloo = row["tracked"], row["unit"]
-            assert tracked - gloo - 0.01 * tracked <= row["predicted"] <= 1.01 * tracked, row
+            assert tracked - gloo - 0.01 * tracked <= row["predicted"] <= 1.01 * tracked + gloo, row
             assert row["least"] - 2 * gloo <= 1.01 * row["predicted"], row
 
 
