@@ -16,7 +16,7 @@ below :data:`SMALL_TENSOR_BYTES` and what :class:`Keep` keeps: the region's para
 buffers and their casts (autocast's bf16 copies of fp32 weights, a model's own
 ``weight.to(dtype)``), which the plain run holds anyway. Nested FSDP units are refused: FSDP
 frees their gathered parameters under the copy. Accelerators without streams get plain
-synchronous copies. ``_offload_testing`` runs all of this on the CPU, for tests.
+synchronous copies. Tests run all of this on the CPU, through stand-in streams.
 """
 
 from __future__ import annotations
@@ -559,8 +559,7 @@ class Offloader:
 
     Args:
         lanes_for: Streams for a device, or None to copy synchronously (CPU tensors are
-            never offloaded unless this returns lanes for them, which tests do: see
-            ``_offload_testing``).
+            never offloaded unless this returns lanes for them, which tests do).
         min_bytes: Tensors smaller than this stay where they are.
         pool: Host buffers; a new pool if None.
     """

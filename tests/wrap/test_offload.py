@@ -1,7 +1,7 @@
 """The offload tier's hooks, host pool and prefetch bookkeeping, on the CPU.
 
 CPU tensors are never moved by default; to exercise the device path here, the offloader is
-given stand-in streams for the CPU (``_offload_testing``: copies are synchronous, events are
+given stand-in streams for the CPU (``_offload_lanes``: copies are synchronous, events are
 done at once) and a threshold of zero bytes. Every comparison is against the plain model on
 the same inputs. Repeated saves, views, backward passes and the pool's bound are in
 ``test_offload_passes`` and ``test_offload_memory``.
@@ -18,7 +18,7 @@ from torch import nn
 import ckptwrap
 from ckptwrap.wrap import _offload
 from ckptwrap.wrap._offload import HostPool, Keep, Offloader, Saved, size_class
-from ckptwrap.wrap._offload_testing import CpuLanes, cpu_offloader
+from ._offload_lanes import CpuLanes, cpu_offloader
 
 from ._models import assert_same
 
