@@ -388,32 +388,24 @@ class PassClock:
     def current(self) -> Optional[int]:
         """The key of the backward pass running now, or None outside backward."""
         task = _torch_private.graph_task_id()
-        if task < 0:
-            return self._current_fallback()
         with self._lock:
+            if task < 0 and self._fallback is not None:
+                return self._fallback
             if task in self._open:
                 return task
-        if not _queue_callback(lambda: self._close(task)):
+        key = task if task >= 0 else next(self._fallback_ids)
+        if not _queue_callback(lambda: self._close(key)):
             return None
         with self._lock:
-            self._open.add(task)
-        return task
+            self._open.add(key)
+            if task < 0:
+                self._fallback = key
+        return key
 
     def is_open(self, key: int) -> bool:
         """Whether the pass ``key`` has begun and not ended yet."""
         with self._lock:
-            return key in self._open or key == self._fallback
-
-    def _current_fallback(self) -> Optional[int]:
-        with self._lock:
-            if self._fallback is not None:
-                return self._fallback
-        key = next(self._fallback_ids)
-        if not _queue_callback(lambda: self._close(key)):
-            return None
-        with self._lock:
-            self._fallback = key
-        return key
+            return key in self._open
 
     def _close(self, key: int) -> None:
         with self._lock:

@@ -169,7 +169,8 @@ def plan_and_profile(
             f"accumulation must be a whole number of micro-steps per optimizer step, 1 or more; "
             f"got {accumulation!r}"
         )
-    unmeasured, budget = _select(model, policy, nested, options)
+    intent, rest, budget = resolve_policy(model, policy, nested, options)
+    unmeasured = select(model, intent, rest, candidates=budget is not None)
     spec = optimizer if isinstance(optimizer, OptimizerSpec) else optimizer_spec(model, optimizer)
     if budget is None and example_inputs is None and example_kwargs is None:
         return unmeasured, None
@@ -423,14 +424,6 @@ def refuse_inference(
             f"take part in autograd. Make the example inputs outside inference mode (or pass "
             f"tensor.clone() of them, made outside it)."
         )
-
-
-def _select(
-    model: nn.Module, policy: Any, nested: bool, options: Dict[str, Any]
-) -> Tuple[Plan, Optional[Budget]]:
-    """The plan before any measurement (a budget's candidates), and the budget term."""
-    intent, rest, budget = resolve_policy(model, policy, nested, options)
-    return select(model, intent, rest, candidates=budget is not None), budget
 
 
 def resolve_policy(

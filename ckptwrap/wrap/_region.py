@@ -58,15 +58,9 @@ def run_region(
     kwargs: Dict[str, Any],
     options: CheckpointOptions,
 ) -> Any:
-    """Call ``call(*args, **kwargs)`` checkpointed, unless autograd or ckptwrap is off.
-
-    Args:
-        owner: The module whose forward ``call`` is, or None for a plain function.
-        call: What to run.
-        args: Positional arguments.
-        kwargs: Keyword arguments.
-        options: Engine options.
-    """
+    """Call ``call(*args, **kwargs)`` checkpointed with the engine ``options``, unless
+    autograd or ckptwrap is off; ``owner`` is the module whose forward ``call`` is, or None
+    for a plain function."""
     if region_switched_off():
         return call(*args, **kwargs)
     return run_unswitched_region(owner, call, args, kwargs, options)
