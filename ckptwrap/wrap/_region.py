@@ -1,4 +1,5 @@
-"""Running a module's forward as a checkpointed region.
+"""Running a module's forward as a checkpointed region, and the off switch for every
+decorated and wrapped region (``disabled()``), for evaluation and debugging.
 
 Modules with running statistics (BatchNorm, InstanceNorm with tracking) update them in
 place during their forward; a recomputation would update them a second time. Their
@@ -24,6 +25,7 @@ value from before the forward is kept until the region's backward.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -37,9 +39,10 @@ from ._clients import on_cache_copies
 from ._distributed import check_reentrant_region
 from ._offload import default_offloader
 from ..engine import CheckpointOptions
-from ._switch import is_disabled
 
 __all__ = [
+    "disabled",
+    "is_disabled",
     "region_switched_off",
     "RngSnapshot",
     "run_unswitched_region",
@@ -160,6 +163,32 @@ def region_switched_off() -> bool:
     if not torch.is_grad_enabled():
         return True
     return _disabled_when_compiled() if torch.compiler.is_compiling() else is_disabled()
+
+
+_DISABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("ckptwrap_disabled", default=False)
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Run every ``@checkpointed`` function and wrapped module without checkpointing.
+
+    Context-local like the engine's own settings; direct calls of ``checkpoint`` are not
+    affected.
+
+    Example:
+        >>> with ckptwrap.disabled():
+        ...     loss = model(batch).loss   # keeps activations, no recomputation
+    """
+    token = _DISABLED.set(True)
+    try:
+        yield
+    finally:
+        _DISABLED.reset(token)
+
+
+def is_disabled() -> bool:
+    """Whether marked regions currently run without checkpointing."""
+    return _DISABLED.get()
 
 
 @torch.compiler.assume_constant_result
