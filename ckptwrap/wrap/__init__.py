@@ -7,7 +7,7 @@ from ._model import PLAN_ATTRIBUTE, remove_pending, unwrap_model, wrap_model
 from ._planning import plan, plan_and_profile, profile_modules
 from ._region import disabled
 from ..engine import CheckpointOptions
-from ..planner import Plan, PlanEntry
+from ..planner import Plan
 from ._wrapper import CheckpointWrapper
 
 __all__ = [
@@ -15,7 +15,6 @@ __all__ = [
     "CheckpointOptions",
     "CheckpointWrapper",
     "Plan",
-    "PlanEntry",
     "checkpointed",
     "disabled",
     "markings_of",
