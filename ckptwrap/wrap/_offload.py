@@ -195,7 +195,8 @@ class Lanes:
         use: Context manager factory that makes a stream current.
         pin: Whether host buffers for this device are pinned.
         record_stream: Tells the allocator that a tensor is used on a stream other than
-            the one it was allocated on; None: ``Tensor.record_stream``.
+            the one it was allocated on (keeps its memory from reuse until that stream's
+            work queued so far is done).
     """
 
     d2h: Any
@@ -203,14 +204,7 @@ class Lanes:
     current: Callable[[], Any]
     use: Callable[[Any], Any]
     pin: bool = True
-    record_stream: Optional[Callable[[torch.Tensor, Any], None]] = None
-
-    def record(self, tensor: torch.Tensor, stream: Any) -> None:
-        """Keep ``tensor``'s memory from reuse until ``stream``'s work queued so far is done."""
-        if self.record_stream is None:
-            tensor.record_stream(stream)
-        else:
-            self.record_stream(tensor, stream)
+    record_stream: Callable[[torch.Tensor, Any], None] = torch.Tensor.record_stream
 
 
 def device_lanes(device: torch.device) -> Optional[Lanes]:
@@ -744,7 +738,7 @@ class Offloader:
         if consumer != home:
             # Allocated on another stream: its memory must not be reused before this
             # stream's work on it is done.
-            lanes.record(flat, consumer)
+            lanes.record_stream(flat, consumer)
         return flat
 
     def _fetch(self, stored: Stored, key: int, lanes: Optional[Lanes] = None) -> None:
