@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, settings
 
 import ckptwrap
-from ckptwrap.wrap import _switch
+from ckptwrap.wrap import _region
 
 sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from _noted import NotedSteps  # noqa: E402  (what a handler of a user's would read)
@@ -43,7 +43,7 @@ def _state_is_clean(_one_thread):
     checkpointing switched back on."""
     yield
     assert ckptwrap.is_recomputing() is False, "is_recomputing() left True after the test"
-    assert _switch.is_disabled() is False, "ckptwrap.disabled() left on after the test"
+    assert _region.is_disabled() is False, "ckptwrap.disabled() left on after the test"
     x = torch.randn(2, requires_grad=True)
     saved = x.sin().grad_fn._saved_self
     assert isinstance(saved, torch.Tensor) and torch.equal(saved, x), "a saved-tensor hook leaked"

@@ -27,7 +27,7 @@ from torch import nn
 
 import ckptwrap
 from ckptwrap.engine import _state
-from ckptwrap.wrap import _switch
+from ckptwrap.wrap import _region
 
 _GPT_PATH = Path(__file__).resolve().parents[1] / "examples" / "gpt.py"
 
@@ -61,7 +61,7 @@ def _live_tensors() -> int:
 
 def _assert_clean_state() -> None:
     assert ckptwrap.is_recomputing() is False
-    assert _switch.is_disabled() is False
+    assert _region.is_disabled() is False
     # With a saved-tensors hook left on the stack, autograd would save something else.
     x = torch.randn(3, requires_grad=True)
     saved = x.sin().grad_fn._saved_self

@@ -5,9 +5,9 @@ from ._decorator import checkpointed
 from ._forwards import markings_of
 from ._model import PLAN_ATTRIBUTE, remove_pending, unwrap_model, wrap_model
 from ._planning import plan, plan_and_profile, profile_modules
+from ._region import disabled
 from ..engine import CheckpointOptions
-from ..planner import Plan, PlanEntry
-from ._switch import disabled
+from ..planner import Plan
 from ._wrapper import CheckpointWrapper
 
 __all__ = [
@@ -15,7 +15,6 @@ __all__ = [
     "CheckpointOptions",
     "CheckpointWrapper",
     "Plan",
-    "PlanEntry",
     "checkpointed",
     "disabled",
     "markings_of",

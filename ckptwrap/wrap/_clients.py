@@ -87,11 +87,9 @@ def without_cache_writes(
 
 
 class CacheWritesOff:
-    """Forward pre-hook of a candidate module under a ``budget:`` policy: in training,
-    while autograd records, the module runs on a copy of the transformers cache it is
-    given whether the plan checkpoints it or not. A checkpointed one runs so anyway
-    (:func:`on_cache_copies`); a plain one would write the cache, and then what it holds,
-    and the step's memory, would depend on which modules the plan picks."""
+    """Forward pre-hook of a candidate module under a ``budget:`` policy (see the module):
+    in training, while autograd records, a module the plan leaves plain runs on a copy of
+    the transformers cache it is given, as a checkpointed one does (:func:`on_cache_copies`)."""
 
     handle: Any = None  # its registration on the module (a RemovableHandle)
 

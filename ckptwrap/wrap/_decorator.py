@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional, TypeVar, overload
 
 from torch import nn
 
+from .._errors import CheckpointConfigError
 from ..engine import CheckpointOptions, options_from
 from ._region import run_region
 
@@ -54,8 +55,6 @@ def checkpointed(wrapped: Optional[F] = None, *, enabled: bool = True, **options
         ...         return self.mlp(self.attn(x))
     """
     if not isinstance(enabled, bool):
-        from .._errors import CheckpointConfigError
-
         raise CheckpointConfigError(f"enabled must be True or False, got {enabled!r}.")
     resolved = options_from(options, where="@checkpointed")
     if wrapped is None:
@@ -65,8 +64,6 @@ def checkpointed(wrapped: Optional[F] = None, *, enabled: bool = True, **options
 
 def _decorate(wrapped: F, *, enabled: bool, options: CheckpointOptions) -> F:
     if not callable(wrapped):
-        from .._errors import CheckpointConfigError
-
         raise CheckpointConfigError(
             f"@checkpointed decorates a function or method, got {type(wrapped).__name__}."
         )

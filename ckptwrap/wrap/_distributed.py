@@ -6,7 +6,7 @@ parameter and the fixes, instead of a failure deep inside DDP's reducer in backw
 from __future__ import annotations
 
 import weakref
-from typing import Any, Dict, List, Set
+from typing import Any, List, Set
 
 import torch
 from torch import nn
@@ -123,19 +123,13 @@ def _describe(ddp: nn.Module, owner: Any) -> str:
     if not isinstance(owner, nn.Module):
         return "A function"
     root = getattr(ddp, "module", None)
-    names: Dict[int, str] = {}
-    if isinstance(root, nn.Module):
-        names = {id(module): name for name, module in root.named_modules()}
-    name = names.get(id(owner))
+    modules = root.named_modules() if isinstance(root, nn.Module) else ()
+    name = next((name for name, module in modules if module is owner), None)
     kind = type(owner).__name__
     return f"{name} ({kind})" if name else kind
 
 
 def _param_name(ddp: nn.Module, param: torch.Tensor) -> str:
     root = getattr(ddp, "module", None)
-    if isinstance(root, nn.Module):
-        for name, candidate in root.named_parameters(remove_duplicate=False):
-            if candidate is param:
-                return name
-    return "<unnamed parameter>"
-
+    params = root.named_parameters(remove_duplicate=False) if isinstance(root, nn.Module) else ()
+    return next((name for name, candidate in params if candidate is param), "<unnamed parameter>")

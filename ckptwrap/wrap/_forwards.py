@@ -231,12 +231,8 @@ def marking(module: nn.Module) -> Optional[Tuple[str, CheckpointOptions]]:
         if isinstance(options.context_fn, SavedInstances):
             options = dataclasses.replace(options, context_fn=None)
         return "wrap_model", options
-    if isinstance(module, CheckpointWrapper):
-        return "CheckpointWrapper", module.checkpoint_options
-    options = decorator_options(type(module))
-    if options is not None:
-        return "@checkpointed", options
-    return None
+    found = markings_of(module)
+    return found[0] if found else None
 
 
 def markings_of(module: nn.Module) -> List[Tuple[str, CheckpointOptions]]:

@@ -12,7 +12,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from torch import nn
 
-from ..planner import Plan, PlanEntry
+from ..planner import Plan
 from ._forwards import CheckpointedForward, SegmentMember, entry_options
 
 __all__ = ["PLAN_ATTRIBUTE", "apply_plan", "mark", "named", "record_plan", "unmark"]
@@ -131,7 +131,8 @@ def recorded(model: nn.Module, applied: Plan, modules: Dict[str, nn.Module]) -> 
         if entry.name in modules
         and isinstance(modules[entry.name].__dict__.get("forward"), (CheckpointedForward, SegmentMember))
     ]
-    selected = _in_model_order(modules, [*kept, *applied.selected])
+    order = {name: position for position, name in enumerate(modules)}  # model order
+    selected = tuple(sorted([*kept, *applied.selected], key=lambda entry: order[entry.name]))
     names = {entry.name for entry in selected}
     dropped = [item for item in existing.dropped if item[0] not in names]
     dropped += [item for item in applied.dropped if item[0] not in names and item not in dropped]
@@ -145,13 +146,6 @@ def recorded(model: nn.Module, applied: Plan, modules: Dict[str, nn.Module]) -> 
         selected=selected,
         dropped=tuple(dropped),
     )
-
-
-def _in_model_order(modules: Dict[str, nn.Module], entries: List[PlanEntry]) -> Tuple[PlanEntry, ...]:
-    """``entries`` sorted as ``model.named_modules()`` lists their modules."""
-    order = {name: position for position, name in enumerate(modules)}
-    return tuple(sorted(entries, key=lambda entry: order[entry.name]))
-
 
 
 def named(model: nn.Module, applied: Optional[Plan]) -> List[nn.Module]:

@@ -99,11 +99,33 @@ def wrap_model(
     _refuse_unreadable_device(model, budget, example_inputs, example_kwargs)
     unmeasured = select(model, intent, rest, candidates=budget is not None)
     spec = optimizer_spec(model, optimizer)
+    example = example_inputs is not None or example_kwargs is not None
     with _transformers_off(model, budget is not None or bool(unmeasured.selected)):
-        _wrap(
-            model, policy, nested, example_inputs, example_kwargs, follow_shapes, loss_fn,
-            max_shapes, options, unmeasured, budget, spec,
-        )
+        if budget is None:
+            apply_plan(model, plan(
+                model, policy, nested=nested, example_inputs=example_inputs,
+                example_kwargs=example_kwargs, loss_fn=loss_fn, optimizer=spec, **options,
+            ) if example else unmeasured)
+            return given
+        if _applied_already(model, unmeasured):
+            # Planned again on the wrapped model, the budget would be read against the memory
+            # that is left: wrapping twice stays a no-op.
+            return given
+        planner = shape_planner(model, policy, unmeasured, budget, loss_fn, max_shapes, optimizer=spec)
+        hook = PlanPerShape(planner, unmeasured, follow_shapes, max_shapes)
+        if not example:
+            remove_pending(model)
+            _register(model, hook)
+            record_plan(model, dataclasses.replace(unmeasured, pending=True))
+            return given
+        args, kwargs = as_example(example_inputs, example_kwargs)
+        check_max_shapes(model, max_shapes, (args, kwargs))
+        refuse_inference(budget, unmeasured, args, kwargs)
+        applied = measured(unmeasured, planner.choose(model, args, kwargs, strict=True))
+        remove_pending(model)
+        apply_plan(model, applied)
+        hook.applied, hook.solved = applied, True
+        _register(model, hook)
     return given
 
 
@@ -114,51 +136,6 @@ def uncompiled(model: Any) -> Any:
         return model
     inner = getattr(model, "_orig_mod", None)
     return inner if isinstance(inner, nn.Module) else model
-
-
-def _wrap(
-    model: nn.Module,
-    policy: Any,
-    nested: bool,
-    example_inputs: Any,
-    example_kwargs: Optional[Dict[str, Any]],
-    follow_shapes: Optional[bool],
-    loss_fn: Optional[Callable[[Any], Any]],
-    max_shapes: Optional[Mapping[Any, Sequence[int]]],
-    options: Dict[str, Any],
-    unmeasured: Plan,
-    budget: Any,
-    spec: Any,
-) -> nn.Module:
-    if budget is None:
-        if example_inputs is None and example_kwargs is None:
-            apply_plan(model, unmeasured)
-        else:
-            apply_plan(model, plan(
-                model, policy, nested=nested, example_inputs=example_inputs,
-                example_kwargs=example_kwargs, loss_fn=loss_fn, optimizer=spec, **options,
-            ))
-        return model
-    if _applied_already(model, unmeasured):
-        # Planned again on the wrapped model, the budget would be read against the memory
-        # that is left: wrapping twice stays a no-op.
-        return model
-    planner = shape_planner(model, policy, unmeasured, budget, loss_fn, max_shapes, optimizer=spec)
-    hook = PlanPerShape(planner, unmeasured, follow_shapes, max_shapes)
-    if example_inputs is None and example_kwargs is None:
-        remove_pending(model)
-        _register(model, hook)
-        record_plan(model, dataclasses.replace(unmeasured, pending=True))
-        return model
-    args, kwargs = as_example(example_inputs, example_kwargs)
-    check_max_shapes(model, max_shapes, (args, kwargs))
-    refuse_inference(budget, unmeasured, args, kwargs)
-    applied = measured(unmeasured, planner.choose(model, args, kwargs, strict=True))
-    remove_pending(model)
-    apply_plan(model, applied)
-    hook.applied, hook.solved = applied, True
-    _register(model, hook)
-    return model
 
 
 def _register(model: nn.Module, hook: PlanPerShape) -> None:
@@ -289,7 +266,6 @@ def _same_wrapping(existing: Plan, intent: Plan) -> bool:
     return (existing.policy, existing.options, existing.tier, existing.nested) == (
         intent.policy, intent.options, intent.tier, intent.nested
     )
-
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:

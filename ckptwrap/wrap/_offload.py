@@ -1,39 +1,22 @@
-"""Offloading a region's saved tensors to host memory: the host buffers and streams,
-which saved tensors stay on the device, what autograd holds for an offloaded tensor, which
-backward pass an unpack belongs to, and the copies that overlap compute.
-
-Offloading a region's saved tensors to host memory, with copies that overlap compute.
+"""Offloading a region's saved tensors to host memory, with copies that overlap compute.
 
 The ``offload`` tier keeps the tensors a region saves for backward in pinned host memory.
 Copies run on side streams so that they overlap the model's kernels: device-to-host as the
 forward saves each tensor, host-to-device for a whole region when a backward pass reaches
 it, and ahead of time for the region before it (regions are entered in forward order and
 their backward runs in reverse). Each storage is copied once however many of its views are
-saved, and fetched once per backward pass however many operators unpack it. Host buffers
-come from a bounded pool and are reused step after step.
+saved (what autograd holds is a :class:`Saved` view of a :class:`Stored` host copy), and
+fetched once per backward pass however many operators unpack it (``retain_graph=True``, a
+second ``backward``, a partial ``torch.autograd.grad`` are each a pass of their own: the
+copies a pass fetched and did not use are dropped when it ends). Host buffers come from a
+bounded pool and are reused step after step.
 
 CPU tensors are kept as they are (moving them to the CPU moves nothing), and so are tensors
-below :data:`SMALL_TENSOR_BYTES` and what :class:`~._offload_keep.Keep` keeps (the
-region's parameters, buffers and their casts). Accelerators without streams get plain
-synchronous copies. ``_offload_testing`` runs all of this on the CPU, for tests.
-
-What autograd holds for an offloaded tensor between forward and backward: a view
-(:class:`Saved`, one per pack) of a host copy of its storage's bytes (:class:`Stored`, one
-per storage version, shared by every view of it a region saved).
-
-Which saved tensors an offloaded region leaves on the device however large they are:
-its owner's parameters and buffers, and casts of those parameters (autocast's bf16 copies
-of fp32 weights, a model's own ``weight.to(dtype)``), which the plain run holds anyway.
-Nested FSDP units are refused: FSDP frees their gathered parameters under the copy.
-
-Which backward pass an unpack belongs to, and a call when that pass ends.
-
-The offload tier fetches each region once per backward pass (``retain_graph=True``, a
-second ``backward``, a partial ``torch.autograd.grad`` are each a pass of their own) and
-drops, when the pass ends, the copies it fetched that the pass did not use.
-
-Host memory and streams for offloading: a bounded pool of (pinned) host buffers reused
-step after step, and the side streams one device copies on.
+below :data:`SMALL_TENSOR_BYTES` and what :class:`Keep` keeps: the region's parameters,
+buffers and their casts (autocast's bf16 copies of fp32 weights, a model's own
+``weight.to(dtype)``), which the plain run holds anyway. Nested FSDP units are refused: FSDP
+frees their gathered parameters under the copy. Accelerators without streams get plain
+synchronous copies. Tests run all of this on the CPU, through stand-in streams.
 """
 
 from __future__ import annotations
@@ -41,6 +24,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import itertools
 import sys
 import threading
@@ -148,13 +132,6 @@ class HostPool:
             return self._lent
 
     @property
-    def lent_bytes(self) -> int:
-        """Bytes of the buffers taken and not given back yet."""
-        with self._lock:
-            self._drain()
-            return self._lent_bytes
-
-    @property
     def idle_bytes(self) -> int:
         """Bytes of the buffers waiting in the pool to be reused."""
         with self._lock:
@@ -218,7 +195,8 @@ class Lanes:
         use: Context manager factory that makes a stream current.
         pin: Whether host buffers for this device are pinned.
         record_stream: Tells the allocator that a tensor is used on a stream other than
-            the one it was allocated on; None: ``Tensor.record_stream``.
+            the one it was allocated on (keeps its memory from reuse until that stream's
+            work queued so far is done).
     """
 
     d2h: Any
@@ -226,14 +204,7 @@ class Lanes:
     current: Callable[[], Any]
     use: Callable[[Any], Any]
     pin: bool = True
-    record_stream: Optional[Callable[[torch.Tensor, Any], None]] = None
-
-    def record(self, tensor: torch.Tensor, stream: Any) -> None:
-        """Keep ``tensor``'s memory from reuse until ``stream``'s work queued so far is done."""
-        if self.record_stream is None:
-            tensor.record_stream(stream)
-        else:
-            self.record_stream(tensor, stream)
+    record_stream: Callable[[torch.Tensor, Any], None] = torch.Tensor.record_stream
 
 
 def device_lanes(device: torch.device) -> Optional[Lanes]:
@@ -411,32 +382,24 @@ class PassClock:
     def current(self) -> Optional[int]:
         """The key of the backward pass running now, or None outside backward."""
         task = _torch_private.graph_task_id()
-        if task < 0:
-            return self._current_fallback()
         with self._lock:
+            if task < 0 and self._fallback is not None:
+                return self._fallback
             if task in self._open:
                 return task
-        if not _queue_callback(lambda: self._close(task)):
+        key = task if task >= 0 else next(self._fallback_ids)
+        if not _queue_callback(lambda: self._close(key)):
             return None
         with self._lock:
-            self._open.add(task)
-        return task
+            self._open.add(key)
+            if task < 0:
+                self._fallback = key
+        return key
 
     def is_open(self, key: int) -> bool:
         """Whether the pass ``key`` has begun and not ended yet."""
         with self._lock:
-            return key in self._open or key == self._fallback
-
-    def _current_fallback(self) -> Optional[int]:
-        with self._lock:
-            if self._fallback is not None:
-                return self._fallback
-        key = next(self._fallback_ids)
-        if not _queue_callback(lambda: self._close(key)):
-            return None
-        with self._lock:
-            self._fallback = key
-        return key
+            return key in self._open
 
     def _close(self, key: int) -> None:
         with self._lock:
@@ -444,7 +407,6 @@ class PassClock:
             if self._fallback == key:
                 self._fallback = None
         self._on_end(key)
-
 
 
 def span(tensor: torch.Tensor) -> int:
@@ -557,10 +519,9 @@ class _Region:
     """The host copies one region's forward made, in order, and per backward pass whether
     they were fetched and whether the pass reached the region."""
 
-    __slots__ = ("offloader", "index", "keep", "stored", "seen", "started", "fetched", "__weakref__")
+    __slots__ = ("index", "keep", "stored", "seen", "started", "fetched", "__weakref__")
 
-    def __init__(self, offloader: "Offloader", index: int, keep: Keep) -> None:
-        self.offloader = offloader
+    def __init__(self, index: int, keep: Keep) -> None:
         self.index = index
         self.keep = keep
         self.stored: List["weakref.ref[Stored]"] = []
@@ -569,12 +530,6 @@ class _Region:
         self.seen: Dict[Tuple[int, int], List[Tuple["weakref.ref[Stored]", StorageWeakRef]]] = {}
         self.started: Optional[int] = None  # the backward pass that last unpacked here
         self.fetched: Optional[int] = None  # the backward pass that last fetched it all
-
-    def pack(self, tensor: torch.Tensor) -> Any:
-        return self.offloader._pack(self, tensor)
-
-    def unpack(self, packed: Any) -> torch.Tensor:
-        return self.offloader._unpack(packed)
 
     def find(self, key: Tuple[int, int], start: int, stop: int, itemsize: int) -> Optional[Stored]:
         """A host copy of this storage version that holds bytes ``start:stop``."""
@@ -590,8 +545,7 @@ class Offloader:
 
     Args:
         lanes_for: Streams for a device, or None to copy synchronously (CPU tensors are
-            never offloaded unless this returns lanes for them, which tests do: see
-            ``_offload_testing``).
+            never offloaded unless this returns lanes for them, which tests do).
         min_bytes: Tensors smaller than this stay where they are.
         pool: Host buffers; a new pool if None.
     """
@@ -628,10 +582,10 @@ class Offloader:
         keep = Keep(owner)
         with self._lock:
             self._regions = [ref for ref in self._regions if ref() is not None]
-            region = _Region(self, next(self._counter), keep)
+            region = _Region(next(self._counter), keep)
             self._regions.append(weakref.ref(region))
         try:
-            with torch.autograd.graph.saved_tensors_hooks(region.pack, region.unpack):
+            with torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, region), self._unpack):
                 yield
         finally:
             self._bound_pending(region.index)
@@ -784,7 +738,7 @@ class Offloader:
         if consumer != home:
             # Allocated on another stream: its memory must not be reused before this
             # stream's work on it is done.
-            lanes.record(flat, consumer)
+            lanes.record_stream(flat, consumer)
         return flat
 
     def _fetch(self, stored: Stored, key: int, lanes: Optional[Lanes] = None) -> None:

@@ -140,11 +140,7 @@ class PlanPerShape:
         tensors): the plan of least memory, unplanned, and the user told once."""
         plan = self._least_memory()
         if self.applied is None or self.applied.selected != plan.selected or self._observed:
-            if self.applied is not None:
-                unmark(named(model, self.applied))
-            mark(model, plan)
-            record_plan(model, plan)
-            self.applied, self._observed = plan, False
+            self._remark(model, plan)
         if not self._said_unreal:
             self._said_unreal = True
             warn(
@@ -192,15 +188,12 @@ class PlanPerShape:
             previous is not None and observer is None and not self._observed
             and _same_marks(previous, new) and previous.options == new.options
         )
-        if not same:
-            if previous is None and observer is None and not isinstance(record, Plan):
-                apply_plan(model, new)
-            else:
-                unmark(named(model, previous))
-                mark(model, new, observer)
-                record_plan(model, new)
-        else:
+        if same:
             record_plan(model, new)
+        elif previous is None and observer is None and not isinstance(record, Plan):
+            apply_plan(model, new)
+        else:
+            self._remark(model, new, observer)
         self.applied, self._observed = new, observer is not None
         if same:
             return
@@ -229,16 +222,22 @@ class PlanPerShape:
                 f"memory. Please report this."
             )
         self.follow_shapes = False
-        plan = self._least_memory()
-        unmark(named(model, self.applied))
-        mark(model, plan)
-        record_plan(model, plan)
-        self.applied, self._observed = plan, False
+        self._remark(model, self._least_memory())
         self.current = None
+
+    def _remark(self, model: nn.Module, plan: Plan, observer: Any = None) -> None:
+        """Switch the marks from the plan applied to ``plan`` (told to ``observer``) and
+        record it as the model's plan."""
+        unmark(named(model, self.applied))
+        mark(model, plan, observer)
+        record_plan(model, plan)
+        self.applied, self._observed = plan, observer is not None
 
     def plan(self, model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
         """Plan on these inputs directly (measuring one step on them if their shape's costs
-        are not known) and switch the marks to it: how a compiled model plans."""
+        are not known) and switch the marks to it: how a compiled model plans, once it has
+        checked them as the first training forward's inputs."""
+        self.check_inputs(model, args, kwargs)
         previous = self.applied
         choice = self.planner.choose(
             model, args, kwargs, strict=False, around=functools.partial(_unmarked, model, previous)
@@ -320,18 +319,13 @@ def _record_measured(model_ref: "weakref.ref[nn.Module]", profile: Any, budget: 
     ))
 
 
-def _plan_eagerly(hook: PlanPerShape, model: nn.Module, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
-    hook.check_inputs(model, args, kwargs)
-    hook.plan(model, args, kwargs)
-
-
 _COMPILE_NOTE = (
     "ckptwrap plans a budget: policy given no example inputs on the model's first training "
     "forward, eagerly, outside the compiled graph; under torch.compile(fullgraph=True) that "
     "is a graph break. Plan before compiling instead: wrap_model(model, policy, "
     "example_inputs=..., example_kwargs=...)."
 )
-_plan_outside_graph = outside_graph(_plan_eagerly, _COMPILE_NOTE)
+_plan_outside_graph = outside_graph(PlanPerShape.plan, _COMPILE_NOTE)
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from .._errors import CheckpointConfigError
+from .._warn import warn
 from ..policy import (
     Blocks,
     Budget,
@@ -24,6 +25,7 @@ from ..policy import (
     Policy,
     Selective,
     as_policy,
+    code_units,
     library_nests,
     overlaps,
     split_modifiers,
@@ -40,7 +42,6 @@ from ..planner import (
     optimizer_spec,
 )
 from ..measure import ModelProfile, ProgressBar, device_rates, measure_inputs, resolve_targets, should_show
-from ._code_checkpoints import checkpointed_by_code, say_left_to_code
 from ._max_shapes import check_max_shapes
 from ._forwards import marking
 from ._region import run_unswitched_region
@@ -169,7 +170,8 @@ def plan_and_profile(
             f"accumulation must be a whole number of micro-steps per optimizer step, 1 or more; "
             f"got {accumulation!r}"
         )
-    unmeasured, budget = _select(model, policy, nested, options)
+    intent, rest, budget = resolve_policy(model, policy, nested, options)
+    unmeasured = select(model, intent, rest, candidates=budget is not None)
     spec = optimizer if isinstance(optimizer, OptimizerSpec) else optimizer_spec(model, optimizer)
     if budget is None and example_inputs is None and example_kwargs is None:
         return unmeasured, None
@@ -425,14 +427,6 @@ def refuse_inference(
         )
 
 
-def _select(
-    model: nn.Module, policy: Any, nested: bool, options: Dict[str, Any]
-) -> Tuple[Plan, Optional[Budget]]:
-    """The plan before any measurement (a budget's candidates), and the budget term."""
-    intent, rest, budget = resolve_policy(model, policy, nested, options)
-    return select(model, intent, rest, candidates=budget is not None), budget
-
-
 def resolve_policy(
     model: nn.Module, policy: Any, nested: bool, options: Dict[str, Any]
 ) -> Tuple[Plan, Policy, Optional[Budget]]:
@@ -478,7 +472,7 @@ def select(model: nn.Module, intent: Plan, rest: Policy, *, candidates: bool = F
     markings = {name: marking(module) for name, module in modules.items() if name}
     existing = [name for name, how_marked in markings.items() if how_marked is not None]
     # What the model's own code checkpoints is a checkpointed module to the plan.
-    by_code = checkpointed_by_code(modules)
+    by_code = _checkpointed_by_code(modules)
     existing += [name for name in by_code if name not in existing]
 
     selected: List[PlanEntry] = []
@@ -520,8 +514,42 @@ def select(model: nn.Module, intent: Plan, rest: Policy, *, candidates: bool = F
                     left_to_code.append(name)
                 continue
         selected.append(PlanEntry(name, type(module).__name__))
-    say_left_to_code(model, left_to_code, by_code)
+    _say_left_to_code(model, left_to_code, by_code)
     return dataclasses.replace(intent, selected=tuple(selected), dropped=tuple(dropped))
+
+
+def _checkpointed_by_code(modules: Dict[str, nn.Module]) -> Dict[str, str]:
+    """Per module the model's own code checkpoints (qualified name), what does it:
+    ``a checkpoint call in Model.forward (the model)``.
+
+    A forward that hands a module to ``torch.utils.checkpoint`` itself (``x =
+    checkpoint(block, x)``), with no library flag around it, checkpoints that module whatever
+    ckptwrap does: to the plan it is a checkpointed module, as one marked by ckptwrap is. A
+    policy's selection leaves it, and whatever holds it or lies in it, to that code (a module
+    checkpointed twice runs three times a step and saves nothing more), and says so once
+    (:func:`_say_left_to_code`). The calls are read from the source (``policy.code_units``),
+    never by running the model; one under ``if self.use_checkpoint:`` with that flag off does
+    not count.
+    """
+    return {
+        name: f"a checkpoint call in {type(modules[owner]).__name__}.forward ({owner or 'the model'})"
+        for name, owner in code_units(list(modules.items())).items()
+    }
+
+
+def _say_left_to_code(model: nn.Module, left: List[str], by_code: Dict[str, str]) -> None:
+    """One warning when the policy selected modules (``left``) that the model's own code
+    checkpoints, or that hold them or lie in them: they are left to that code."""
+    if not left:
+        return
+    calls = sorted(set(by_code.values()))
+    warn(
+        f"{type(model).__name__}: the model's own code checkpoints {len(by_code)} module(s) "
+        f"({'; '.join(calls)}), so ckptwrap leaves {len(left)} module(s) the policy selected to "
+        f"it ({', '.join(left[:4])}{', ...' if len(left) > 4 else ''}): checkpointed there and "
+        f"again by ckptwrap, a module would run three times a step for no memory saved. To let "
+        f"ckptwrap plan them, remove those checkpoint calls."
+    )
 
 
 def _picked_nothing(model: nn.Module, rest: Policy) -> List[Tuple[str, str]]:

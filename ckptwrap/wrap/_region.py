@@ -1,4 +1,5 @@
-"""Running a module's forward as a checkpointed region.
+"""Running a module's forward as a checkpointed region, and the off switch for every
+decorated and wrapped region (``disabled()``), for evaluation and debugging.
 
 Modules with running statistics (BatchNorm, InstanceNorm with tracking) update them in
 place during their forward; a recomputation would update them a second time. Their
@@ -24,6 +25,8 @@ value from before the forward is kept until the region's backward.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
 from typing import Any, Callable, ContextManager, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
@@ -36,9 +39,10 @@ from ._clients import on_cache_copies
 from ._distributed import check_reentrant_region
 from ._offload import default_offloader
 from ..engine import CheckpointOptions
-from ._switch import is_disabled
 
 __all__ = [
+    "disabled",
+    "is_disabled",
     "region_switched_off",
     "RngSnapshot",
     "run_unswitched_region",
@@ -57,16 +61,10 @@ def run_region(
     kwargs: Dict[str, Any],
     options: CheckpointOptions,
 ) -> Any:
-    """Call ``call(*args, **kwargs)`` checkpointed, unless autograd or ckptwrap is off.
-
-    Args:
-        owner: The module whose forward ``call`` is, or None for a plain function.
-        call: What to run.
-        args: Positional arguments.
-        kwargs: Keyword arguments.
-        options: Engine options.
-    """
-    if _switched_off(torch.compiler.is_compiling()):
+    """Call ``call(*args, **kwargs)`` checkpointed with the engine ``options``, unless
+    autograd or ckptwrap is off; ``owner`` is the module whose forward ``call`` is, or None
+    for a plain function."""
+    if region_switched_off():
         return call(*args, **kwargs)
     return run_unswitched_region(owner, call, args, kwargs, options)
 
@@ -88,7 +86,7 @@ def run_unswitched_region(
     if options.use_reentrant and kwargs:
         # The re-entrant engine takes positional arguments only; handing it the keyword
         # arguments as one dict keeps their tensors in autograd (it flattens containers).
-        return checkpoint(_KeywordsFirst(call), kwargs, *args, **options.checkpoint_kwargs())
+        return checkpoint(functools.partial(_keywords_first, call), kwargs, *args, **options.checkpoint_kwargs())
     if options.recompute_ahead and not compiling:
         with recompute_ahead():
             return checkpoint(call, *args, **options.checkpoint_kwargs(), **kwargs)
@@ -130,13 +128,12 @@ def run_segment(
     return outputs, states
 
 
-class RngSnapshot:
+class RngSnapshot(NamedTuple):
     """The CPU generator's state and, for an accelerator tensor, its device's."""
 
-    __slots__ = ("cpu", "device", "state")
-
-    def __init__(self, cpu: torch.Tensor, device: Optional[torch.device], state: Optional[torch.Tensor]) -> None:
-        self.cpu, self.device, self.state = cpu, device, state
+    cpu: torch.Tensor
+    device: Optional[torch.device]
+    state: Optional[torch.Tensor]
 
     @classmethod
     def take(cls, value: Any) -> "RngSnapshot":
@@ -162,15 +159,36 @@ class RngSnapshot:
 
 
 def region_switched_off() -> bool:
-    """Whether a region would run plainly now (autograd or ckptwrap off)."""
-    return _switched_off(torch.compiler.is_compiling())
-
-
-def _switched_off(compiling: bool) -> bool:
-    """Autograd is off, or ckptwrap is (``disabled()``): run regions plainly."""
+    """Whether a region would run plainly now: autograd is off, or ckptwrap is (``disabled()``)."""
     if not torch.is_grad_enabled():
         return True
-    return _disabled_when_compiled() if compiling else is_disabled()
+    return _disabled_when_compiled() if torch.compiler.is_compiling() else is_disabled()
+
+
+_DISABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("ckptwrap_disabled", default=False)
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Run every ``@checkpointed`` function and wrapped module without checkpointing.
+
+    Context-local like the engine's own settings; direct calls of ``checkpoint`` are not
+    affected.
+
+    Example:
+        >>> with ckptwrap.disabled():
+        ...     loss = model(batch).loss   # keeps activations, no recomputation
+    """
+    token = _DISABLED.set(True)
+    try:
+        yield
+    finally:
+        _DISABLED.reset(token)
+
+
+def is_disabled() -> bool:
+    """Whether marked regions currently run without checkpointing."""
+    return _DISABLED.get()
 
 
 @torch.compiler.assume_constant_result
@@ -190,10 +208,9 @@ def run_offloaded(
     (see ``_offload``); on the CPU this moves nothing and only marks the region. Under
     ``torch.compile`` it is refused with a :class:`CheckpointConfigError`.
     """
-    compiling = torch.compiler.is_compiling()
-    if _switched_off(compiling):
+    if region_switched_off():
         return call(*args, **kwargs)
-    if compiling:
+    if torch.compiler.is_compiling():
         _refuse_compiled(owner)
     with default_offloader().region(owner):
         return call(*args, **kwargs)
@@ -215,16 +232,9 @@ def _refuse(owner: torch.nn.Module) -> None:
 _refuse_compiled = outside_graph(_refuse, _OFFLOAD_COMPILED)
 
 
-class _KeywordsFirst:
+def _keywords_first(call: Callable[..., Any], kwargs: Dict[str, Any], *args: Any) -> Any:
     """``call`` taking its keyword arguments as a leading dict."""
-
-    __slots__ = ("call",)
-
-    def __init__(self, call: Callable[..., Any]) -> None:
-        self.call = call
-
-    def __call__(self, kwargs: Dict[str, Any], *args: Any) -> Any:
-        return self.call(*args, **kwargs)
+    return call(*args, **kwargs)
 
 
 class _KeepStats:

@@ -79,10 +79,8 @@ class _SavePolicy:
         self._packets = resolve_ops(ops)
 
     def __call__(self, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        # A call that drew random numbers is recomputed even if named: the recomputation
-        # draws the forward's numbers only by running every such call again, in order.
         if getattr(op, "overloadpacket", op) in self._packets and not draws_random(op, args, kwargs):
-            return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.MUST_SAVE  # never a call that drew, even if named (see the module)
         return CheckpointPolicy.PREFER_RECOMPUTE
 
     def fix_for(self, op: Any) -> str:

@@ -27,6 +27,7 @@ from .._warn import warn
 
 __all__ = ["TransformersSwitch", "switch_of"]
 
+
 class TransformersSwitch:
     """Forward pre-hook of a wrapped model that keeps transformers' checkpointing off while
     ``marks_anything(model)`` holds; remembers what it turned off, to turn it back on."""
@@ -73,10 +74,6 @@ class TransformersSwitch:
         del self.turned_off[since:]
 
 
-def _switch_off(switch: TransformersSwitch, model: nn.Module) -> None:
-    switch.switch_off(model)
-
-
 _COMPILED = (
     "ckptwrap switches a library's own gradient checkpointing (transformers, diffusers, "
     "timm) off eagerly, outside the compiled graph, when it finds it on; under "
@@ -85,7 +82,7 @@ _COMPILED = (
     "or set_grad_checkpointing())."
 )
 # Under torch.compile the hook is traced; the switch itself runs eagerly, outside the graph.
-_switch_off_outside_graph = outside_graph(_switch_off, _COMPILED)
+_switch_off_outside_graph = outside_graph(TransformersSwitch.switch_off, _COMPILED)
 
 
 def switch_of(model: nn.Module) -> "TransformersSwitch | None":

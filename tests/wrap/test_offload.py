@@ -1,7 +1,7 @@
 """The offload tier's hooks, host pool and prefetch bookkeeping, on the CPU.
 
 CPU tensors are never moved by default; to exercise the device path here, the offloader is
-given stand-in streams for the CPU (``_offload_testing``: copies are synchronous, events are
+given stand-in streams for the CPU (``_offload_lanes``: copies are synchronous, events are
 done at once) and a threshold of zero bytes. Every comparison is against the plain model on
 the same inputs. Repeated saves, views, backward passes and the pool's bound are in
 ``test_offload_passes`` and ``test_offload_memory``.
@@ -18,7 +18,7 @@ from torch import nn
 import ckptwrap
 from ckptwrap.wrap import _offload
 from ckptwrap.wrap._offload import HostPool, Keep, Offloader, Saved, size_class
-from ckptwrap.wrap._offload_testing import CpuLanes, cpu_offloader
+from ._offload_lanes import CpuLanes, cpu_offloader
 
 from ._models import assert_same
 
@@ -277,7 +277,7 @@ def test_views_come_back_with_their_strides(shape, make):
     offloader = cpu_offloader()
     base = torch.randn(*shape)
     view = make(base)
-    packed = offloader._pack(_offload._Region(offloader, 0, Keep(None)), view)
+    packed = offloader._pack(_offload._Region(0, Keep(None)), view)
     back = offloader._unpack(packed)
     assert back.stride() == view.stride() and back.shape == view.shape and back.dtype == view.dtype
     assert torch.equal(back, view)
@@ -285,7 +285,7 @@ def test_views_come_back_with_their_strides(shape, make):
 
 def test_a_small_view_of_a_large_storage_copies_only_its_span():
     offloader = cpu_offloader()
-    region = _offload._Region(offloader, 0, Keep(None))
+    region = _offload._Region(0, Keep(None))
     base = torch.randn(64, 64)
     row, rows = base[10], base[:40]
     back = [offloader._unpack(offloader._pack(region, t)) for t in (row, rows, base[20, 3:9])]

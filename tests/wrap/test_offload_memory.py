@@ -1,4 +1,4 @@
-"""What the offload tier holds, on the CPU (``_offload_testing``): the host pool stays
+"""What the offload tier holds, on the CPU (``_offload_lanes``): the host pool stays
 bounded while shapes change step after step; parameters cast by autocast stay on the
 device instead of crossing the link twice a step; a nested FSDP unit is refused.
 Gradients always equal the plain model's, bit for bit.
@@ -16,7 +16,7 @@ import ckptwrap
 from ckptwrap import CheckpointConfigError
 from ckptwrap.wrap import _offload
 from ckptwrap.wrap._offload import HostPool
-from ckptwrap.wrap._offload_testing import cpu_offloader
+from ._offload_lanes import cpu_offloader
 
 from ._models import assert_same
 from .test_offload_passes import _blocks, _forward, _grads, _input

@@ -1,4 +1,4 @@
-"""The offload tier's copies per backward pass, on the CPU (``_offload_testing``).
+"""The offload tier's copies per backward pass, on the CPU (``_offload_lanes``).
 
 A storage saved several times (q, k and v reading one input; gate and up; views split from
 one fused projection) is copied to the host once and fetched once per backward pass; every
@@ -22,7 +22,7 @@ from torch.nn import functional as F
 from ckptwrap import _torch_private
 from ckptwrap.wrap._offload import Offloader
 from ckptwrap.wrap._offload import Saved
-from ckptwrap.wrap._offload_testing import CpuLanes, FakeStream, cpu_offloader
+from ._offload_lanes import CpuLanes, FakeStream, cpu_offloader
 
 from ._models import assert_same
 

@@ -1,10 +1,10 @@
-"""The offload tier on the CPU, for tests: CPU tensors are treated as device tensors.
+"""The offload tier on the CPU: CPU tensors are treated as device tensors.
 
 ``Offloader(lanes_for=CpuLanes(), min_bytes=0)`` (or :func:`cpu_offloader`) copies every
 saved CPU tensor into unpinned host-pool buffers and back, synchronously, through the same
 bookkeeping the device path uses: deduplication of repeated saves and views, prefetch per
 backward pass, the pool's bound, byte counts. The streams and events stand in for a
-device's, do nothing, and log what the device would have been asked to do. Not public API.
+device's, do nothing, and log what the device would have been asked to do.
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
 
-from ._offload import Lanes
-from ._offload import Offloader
+from ckptwrap.wrap._offload import Lanes, Offloader
 
 __all__ = ["CpuLanes", "FakeEvent", "FakeStream", "cpu_offloader"]
 
@@ -79,7 +78,7 @@ class CpuLanes:
             d2h=FakeStream("d2h", self.log, finishes=copies_finish),
             h2d=FakeStream("h2d", self.log),
             current=lambda: self.stream,
-            use=self._use,
+            use=self.current,
             pin=False,
             record_stream=self._record_stream,
         )
@@ -95,9 +94,6 @@ class CpuLanes:
             yield stream
         finally:
             self.stream = before
-
-    def _use(self, stream: FakeStream) -> Any:
-        return self.current(stream)
 
     def _record_stream(self, tensor: torch.Tensor, stream: FakeStream) -> None:
         self.log.append((stream.name, "record_stream", "tensor"))
