@@ -13,6 +13,7 @@ from .. import _torch_private
 from ..policy import code_units
 from .._hf import checkpointing_flagged, checkpointing_on, describe_flags, flags_on, how_to_keep_off, library_of, owners
 from ..measure import ModelProfile
+from ..planner import format_bytes
 from ._regions import Region
 from ._report import Finding
 from ._steps import CallLog
@@ -29,6 +30,7 @@ __all__ = [
     "check_code_checkpointing",
     "check_transformers_checkpointing",
     "display",
+    "few",
 ]
 
 SAVINGS_THRESHOLD = 0.10
@@ -46,13 +48,6 @@ def display(prefix: str, name: str) -> str:
     """The name of a module as the caller's model names it (``prefix`` is ``"module."``
     when the caller passed a DistributedDataParallel wrapper)."""
     return prefix + name if name else prefix.rstrip(".")
-
-
-def _size(count: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(count) >= scale:
-            return f"{count / scale:.1f} {unit}"
-    return f"{count} B"
 
 
 def check_selected_twice(regions: List[Region], prefix: str) -> List[Finding]:
@@ -115,7 +110,7 @@ def check_buffers_changed(
         name = display(prefix, region.name)
         findings.append(Finding(
             "info", "buffers-changed", name,
-            f"{name}'s forward changes buffers in place ({_few([display(prefix, b) for b in mine])}): "
+            f"{name}'s forward changes buffers in place ({few([display(prefix, b) for b in mine])}): "
             f"ckptwrap copies them before the forward and replays them in each recomputation, so "
             f"the recomputation computes what the forward did and each buffer changes once per "
             f"step, as without checkpointing.",
@@ -140,7 +135,7 @@ def check_code_checkpointing(model: nn.Module, regions: List[Region], prefix: st
         findings.append(Finding(
             "warning", "selected-twice", name,
             f"{name} is checkpointed by ckptwrap and by the model's own code (a checkpoint call "
-            f"in the forward of {', '.join(owners_of)} checkpoints {_few([display(prefix, u) for u in overlaps])}): "
+            f"in the forward of {', '.join(owners_of)} checkpoints {few([display(prefix, u) for u in overlaps])}): "
             f"the module's forward runs three times per step instead of two and no more memory is saved.",
             "remove those checkpoint calls and let ckptwrap checkpoint (wrap_model leaves modules "
             "the model's code checkpoints out of its plans), or leave these modules out of ckptwrap's marking.",
@@ -178,7 +173,7 @@ def check_transformers_checkpointing(
             f"({describe_flags(flags)}): the module's forward runs three times per "
             f"step instead of two and no more memory is saved.",
             f"{later}switch {owner} checkpointing off: {how_to_keep_off(libraries)}.",
-            details=(f"{name} ({region.kind}) with {owner} flag on {_few([display(prefix, n) for n in overlaps])}",),
+            details=(f"{name} ({region.kind}) with {owner} flag on {few([display(prefix, n) for n in overlaps])}",),
         ))
     return findings
 
@@ -213,8 +208,8 @@ def check_not_called(
         if not parts and not used:
             findings.append(_not_reached(region, name))
             continue
-        calls = f"; the forward calls {_few(parts)} inside it" if parts else ""
-        uses = f"; its parameters {_few(used)} get gradients" if used and not parts else ""
+        calls = f"; the forward calls {few(parts)} inside it" if parts else ""
+        uses = f"; its parameters {few(used)} get gradients" if used and not parts else ""
         findings.append(Finding(
             "warning", "not-called", name,
             f"{name} is checkpointed but the model never called it in the step: its parent "
@@ -265,8 +260,9 @@ def _inside_any(name: str, outer: List[str]) -> bool:
     return any(name.startswith(other + ".") for other in outer)
 
 
-def _few(names: List[str]) -> str:
-    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+def few(names: List[str], shown: int = 4) -> str:
+    """The first ``shown`` of ``names``, and how many more there are."""
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def check_savings(
@@ -303,8 +299,8 @@ def check_savings(
             f"(one that contains it and that the forward calls), which drops more activations "
             f"per input kept.",
             details=(
-                f"{name} ({region.kind}) keeps {_size(kept)} of activations and {_size(inputs)} "
-                f"of inputs, saving {_size(max(saved, 0))}; larger module: {larger}",
+                f"{name} ({region.kind}) keeps {format_bytes(kept)} of activations and {format_bytes(inputs)} "
+                f"of inputs, saving {format_bytes(max(saved, 0))}; larger module: {larger}",
             ),
         ))
     return findings
@@ -342,7 +338,7 @@ def check_dropout_rng(
             continue
         name = display(prefix, region.name)
         if dropouts:
-            detail = f"{name} has dropout ({_few(dropouts)})"
+            detail = f"{name} has dropout ({few(dropouts)})"
         else:
             detail = (
                 f"{name} draws them outside dropout modules (functional dropout, torch.rand...)"

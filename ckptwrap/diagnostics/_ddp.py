@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Set
 
 from torch import nn
 
-from ._checks import display
+from ._checks import display, few
 from ._regions import Region
 from ._report import Finding
 from ._steps import CallLog
@@ -42,22 +42,17 @@ def check_ddp(
         local: The module the regions belong to (a copy of the DDP wrapper's module).
         regions: The regions of ``local``.
         logs: Their calls in the checkpointed step.
-        prefix: See :func:`display`.
+        prefix: See :func:`display`: ``"module."`` when ``model`` is DistributedDataParallel.
     """
-    try:
-        from torch.nn.parallel import DistributedDataParallel
-    except ImportError:  # a torch built without distributed support
-        return []
-    if not isinstance(model, DistributedDataParallel) or getattr(model, "static_graph", False):
+    if not prefix or getattr(model, "static_graph", False):
         return []
     reentrant = [region for region in regions if region.reentrant]
     if not reentrant:
         return []
     names = [display(prefix, region.name) for region in reentrant]
-    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
     setting = (
         f"the model is DistributedDataParallel without static_graph=True, and "
-        f"{len(names)} region(s) use the re-entrant engine ({shown})"
+        f"{len(names)} region(s) use the re-entrant engine ({few(names)})"
     )
     reasons = []
     if getattr(model, "find_unused_parameters", False):
