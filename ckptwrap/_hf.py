@@ -42,16 +42,16 @@ __all__ = [
     "switch_off",
 ]
 
-_LAYERS_MODULE = "transformers.modeling_layers"
-_LAYER_CLASS = "GradientCheckpointingLayer"
-_CACHE_MODULE = "transformers.cache_utils"
-_CACHE_CLASS = "Cache"
+def _loaded(module: str, name: str) -> Optional[type]:
+    """The class ``name`` of ``module``, if that module is loaded."""
+    found = getattr(sys.modules.get(module), name, None)
+    return found if isinstance(found, type) else None
 
 
 def cache_class() -> Optional[type]:
     """transformers' ``Cache``, if transformers is loaded."""
-    found = getattr(sys.modules.get(_CACHE_MODULE), _CACHE_CLASS, None)
-    return found if isinstance(found, type) else None
+    return _loaded("transformers.cache_utils", "Cache")
+
 
 # Per class, since every checkpointed forward asks. Sound because a class can only derive
 # from the layer class once it exists.
@@ -60,9 +60,7 @@ _KNOWN: Dict[type, bool] = {}
 
 def hf_layer_class() -> Optional[type]:
     """transformers' ``GradientCheckpointingLayer``, if transformers is loaded."""
-    layers = sys.modules.get(_LAYERS_MODULE)
-    layer_class = getattr(layers, _LAYER_CLASS, None)
-    return layer_class if isinstance(layer_class, type) else None
+    return _loaded("transformers.modeling_layers", "GradientCheckpointingLayer")
 
 
 def is_hf_layer_class(cls: type) -> bool:
@@ -104,7 +102,6 @@ _SWITCHES = {
     ),
 }
 
-_TORCH_WRAPPERS = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
 WRAPPER_SWITCH = "checkpoint_fn"
 """The attribute through which torch's ``CheckpointWrapper`` checkpoints its module: while
 ckptwrap checkpoints the model it is :func:`call_directly`, as a flag would be off."""
@@ -118,8 +115,8 @@ def call_directly(function: Any, *args: Any, **kwargs: Any) -> Any:
 def _torch_wrapper(module: nn.Module) -> bool:
     """Whether ``module`` is torch's ``CheckpointWrapper`` (``checkpoint_wrapper``,
     ``apply_activation_checkpointing``), looked up only where torch has loaded it."""
-    wrapper = getattr(sys.modules.get(_TORCH_WRAPPERS), "CheckpointWrapper", None)
-    return isinstance(wrapper, type) and isinstance(module, wrapper) and hasattr(module, WRAPPER_SWITCH)
+    wrapper = _loaded("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "CheckpointWrapper")
+    return wrapper is not None and isinstance(module, wrapper) and hasattr(module, WRAPPER_SWITCH)
 
 
 def flagged(module: nn.Module) -> bool:
