@@ -176,9 +176,9 @@ def _read(cls: type) -> Tuple[Tuple[Tuple[Unit, Guards], ...], Tuple[str, ...]]:
         function = _parsed(getattr(cls, method, None))
         if function is None or not function.args.args:
             continue
-        own = function.args.args[0].arg  # ``self``
+        own = function.args.args[0].arg  # ``self``, which stands for the module
         reader = _Reader(own)
-        reader.statements(function.body, _Scope.of(own), ())
+        reader.statements(function.body, _Scope({own: frozenset({()})}, {}), ())
         units.extend(reader.found)
         unfollowed.extend(reader.unfollowed)
         queue.extend(_own_calls(function, own))
@@ -212,10 +212,6 @@ class _Scope:
 
     modules: Dict[str, FrozenSet[Path]]
     values: Dict[str, Tuple[ast.expr, "_Scope"]]
-
-    @staticmethod
-    def of(own: str) -> "_Scope":
-        return _Scope({own: frozenset({()})}, {})
 
     def bind(self, name: str, paths: FrozenSet[Path], value: Optional[Tuple[ast.expr, "_Scope"]] = None) -> "_Scope":
         """This scope with ``name`` rebound: to nothing known where ``paths`` is empty
