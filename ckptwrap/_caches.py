@@ -138,16 +138,6 @@ class _Copier:
         if depth > _MOST_NESTED:
             return value
         depth += 1
-        if cls is dict:
-            result = self.memo[key] = dict(value)
-            for name, item in value.items():
-                if type(item) not in _ATOMIC:
-                    result[name] = self.copy(item, depth)
-            return result
-        if cls is list:
-            result = self.memo[key] = list(value)
-            result[:] = [item if type(item) in _ATOMIC else self.copy(item, depth) for item in value]
-            return result
         if isinstance(value, tuple):
             return _rebuilt(value, [self.copy(item, depth) for item in value])
         if isinstance(value, (list, dict, set)):

@@ -207,7 +207,14 @@ def _parse_input_shape(text: str) -> Tuple[Tuple[int, ...], Optional[str]]:
     shape, colon, dtype = text.partition(":")
     if colon:
         parse_dtype(dtype, f"--input-shape {text!r}")
-    return _parse_shape(shape, text), (dtype.strip() if colon else None)
+    parts = [part.strip() for part in shape.split(",")]
+    if not all(_WHOLE_NUMBER.fullmatch(part) and int(part) > 0 for part in parts):
+        raise UsageError(
+            f"bad --input-shape {text!r}: expected positive integers separated by commas, "
+            f"such as 8,256 or 8,3,128,128 (and, for an input of its own dtype, :DTYPE after "
+            f"them, such as 2,300:long)"
+        )
+    return tuple(int(part) for part in parts), (dtype.strip() if colon else None)
 
 
 def parse_dtype(name: str, where: str) -> torch.dtype:
@@ -221,26 +228,25 @@ def parse_dtype(name: str, where: str) -> torch.dtype:
     return dtype
 
 
-def _parse_shape(text: str, given: str) -> Tuple[int, ...]:
-    parts = [part.strip() for part in text.split(",")]
-    if not all(_WHOLE_NUMBER.fullmatch(part) and int(part) > 0 for part in parts):
-        raise UsageError(
-            f"bad --input-shape {given!r}: expected positive integers separated by commas, "
-            f"such as 8,256 or 8,3,128,128 (and, for an input of its own dtype, :DTYPE after "
-            f"them, such as 2,300:long)"
-        )
-    return tuple(int(part) for part in parts)
-
-
 def _input_dtypes(own: Sequence[Optional[str]], name: Any, high: Any) -> List[torch.dtype]:
     """Each positional input's dtype: its own (``N,N:DTYPE``), else ``--input-dtype``'s,
     else float32, or long with ``--input-high`` when no input names its own."""
     if high is not None and high < 1:
         raise UsageError(f"--input-high must be at least 1, got {high}")
-    if not any(own):
-        dtype = _input_dtype(name, high)
-        return [dtype] * len(own)
     default = DTYPES[name] if name is not None else torch.float32
+    if not any(own):
+        if name is None:
+            return [torch.int64 if high is not None else torch.float32] * len(own)
+        if default.is_floating_point and high is not None:
+            raise UsageError(
+                f"--input-high draws integer ids, but --input-dtype is {name}; use --input-dtype "
+                f"long (or int32), or drop --input-high"
+            )
+        if not default.is_floating_point and high is None:
+            raise UsageError(
+                f"--input-dtype {name} needs --input-high N (or --vocab N) to draw ids in [0, N)"
+            )
+        return [default] * len(own)
     dtypes = [DTYPES[mine] if mine else default for mine in own]
     integer = [i for i, dtype in enumerate(dtypes) if not dtype.is_floating_point]
     if integer and high is None:
@@ -254,22 +260,6 @@ def _input_dtypes(own: Sequence[Optional[str]], name: Any, high: Any) -> List[to
             "integer input its dtype (N,N:long), or drop --input-high"
         )
     return dtypes
-
-
-def _input_dtype(name: Any, high: Any) -> torch.dtype:
-    if name is None:
-        return torch.int64 if high is not None else torch.float32
-    dtype = DTYPES[name]
-    if dtype.is_floating_point and high is not None:
-        raise UsageError(
-            f"--input-high draws integer ids, but --input-dtype is {name}; use --input-dtype "
-            f"long (or int32), or drop --input-high"
-        )
-    if not dtype.is_floating_point and high is None:
-        raise UsageError(
-            f"--input-dtype {name} needs --input-high N (or --vocab N) to draw ids in [0, N)"
-        )
-    return dtype
 
 
 def _device(name: str) -> torch.device:

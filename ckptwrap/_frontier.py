@@ -50,7 +50,6 @@ def pareto_points(
     model: nn.Module,
     inputs: Tuple[torch.Tensor, ...],
     policy: str,
-    chosen: Sequence[str] = (),
     *,
     nested: bool = False,
     profile: Optional[ModelProfile] = None,
@@ -62,16 +61,13 @@ def pareto_points(
         inputs: Positional example inputs of one forward.
         policy: The policy string; its set terms name the candidates (the repeated blocks
             if it has none), and its pickers and budget are ignored.
-        chosen: Qualified names a plan of ``policy`` selected: one more point when they
-            are all candidates and differ from every reference point's.
         nested: As for :func:`ckptwrap.plan`.
         profile: A profile already measured on ``inputs`` that covers every candidate
             (the one a plan was made from, so that the drawing and the plan agree); the
             candidates are profiled here when it is None.
 
     Returns:
-        The frontier (see :func:`frontier`) and the points of :func:`reference_points`,
-        followed by that of ``chosen``.
+        The frontier (see :func:`frontier`) and the points of :func:`reference_points`.
 
     Raises:
         CheckpointConfigError: If the policy is malformed or leaves no candidates, or
@@ -92,15 +88,9 @@ def pareto_points(
     ordered, _, tail = step_items(
         profile, names, segments=True, region_bytes=region_bytes(step_device(model, tuple(inputs), {}))
     )
-    names = [name for name, _ in ordered]
     items = [item for _, item in ordered]
     base = profile.base_bytes
     references = reference_points(items, base=base, candidates=str(candidates), tail=tail)
-    index = {name: i for i, name in enumerate(names)}
-    if chosen and all(name in index for name in chosen):
-        own = _point(f"policy {policy}", items, [index[n] for n in chosen], base, tail)
-        if all(own.names != other.names for other in references):
-            references.append(own)
     return frontier(items, base=base, tail=tail), references
 
 

@@ -7,8 +7,8 @@ that defines it; when that module is absent, no module can be such a layer, and 
 transformers on our account would cost seconds.
 
 Also here: the flags by which transformers, diffusers and timm modules switch their own
-gradient checkpointing on (:data:`FLAGS`), torch's ``CheckpointWrapper`` switched the same
-way (:data:`WRAPPER_SWITCH`), and how to keep each library's off.
+gradient checkpointing on (:data:`_FLAGS`), torch's ``CheckpointWrapper`` switched the same
+way (:data:`_WRAPPER_SWITCH`), and how to keep each library's off.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from torch import nn
 
 
 __all__ = [
-    "FLAGS",
     "cache_class",
     "cache_free_arguments",
     "checkpointing_flagged",
@@ -42,16 +41,16 @@ __all__ = [
     "switch_off",
 ]
 
-_LAYERS_MODULE = "transformers.modeling_layers"
-_LAYER_CLASS = "GradientCheckpointingLayer"
-_CACHE_MODULE = "transformers.cache_utils"
-_CACHE_CLASS = "Cache"
+def _loaded(module: str, name: str) -> Optional[type]:
+    """The class ``name`` of ``module``, if that module is loaded."""
+    found = getattr(sys.modules.get(module), name, None)
+    return found if isinstance(found, type) else None
 
 
 def cache_class() -> Optional[type]:
     """transformers' ``Cache``, if transformers is loaded."""
-    found = getattr(sys.modules.get(_CACHE_MODULE), _CACHE_CLASS, None)
-    return found if isinstance(found, type) else None
+    return _loaded("transformers.cache_utils", "Cache")
+
 
 # Per class, since every checkpointed forward asks. Sound because a class can only derive
 # from the layer class once it exists.
@@ -60,9 +59,7 @@ _KNOWN: Dict[type, bool] = {}
 
 def hf_layer_class() -> Optional[type]:
     """transformers' ``GradientCheckpointingLayer``, if transformers is loaded."""
-    layers = sys.modules.get(_LAYERS_MODULE)
-    layer_class = getattr(layers, _LAYER_CLASS, None)
-    return layer_class if isinstance(layer_class, type) else None
+    return _loaded("transformers.modeling_layers", "GradientCheckpointingLayer")
 
 
 def is_hf_layer_class(cls: type) -> bool:
@@ -85,7 +82,7 @@ def _looked_up(cls: type) -> bool:
 _looked_up_eagerly = torch.compiler.assume_constant_result(_looked_up)
 
 
-FLAGS = ("gradient_checkpointing", "grad_checkpointing")
+_FLAGS = ("gradient_checkpointing", "grad_checkpointing")
 """Attributes by which a module says it checkpoints itself or parts of itself:
 transformers' layers and stacks and diffusers' blocks (``gradient_checkpointing``), timm's
 models and stages (``grad_checkpointing``)."""
@@ -104,8 +101,7 @@ _SWITCHES = {
     ),
 }
 
-_TORCH_WRAPPERS = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
-WRAPPER_SWITCH = "checkpoint_fn"
+_WRAPPER_SWITCH = "checkpoint_fn"
 """The attribute through which torch's ``CheckpointWrapper`` checkpoints its module: while
 ckptwrap checkpoints the model it is :func:`call_directly`, as a flag would be off."""
 
@@ -118,13 +114,13 @@ def call_directly(function: Any, *args: Any, **kwargs: Any) -> Any:
 def _torch_wrapper(module: nn.Module) -> bool:
     """Whether ``module`` is torch's ``CheckpointWrapper`` (``checkpoint_wrapper``,
     ``apply_activation_checkpointing``), looked up only where torch has loaded it."""
-    wrapper = getattr(sys.modules.get(_TORCH_WRAPPERS), "CheckpointWrapper", None)
-    return isinstance(wrapper, type) and isinstance(module, wrapper) and hasattr(module, WRAPPER_SWITCH)
+    wrapper = _loaded("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "CheckpointWrapper")
+    return wrapper is not None and isinstance(module, wrapper) and hasattr(module, _WRAPPER_SWITCH)
 
 
 def flagged(module: nn.Module) -> bool:
-    """Whether ``module`` carries a library's own checkpointing flag (``FLAGS``)."""
-    return any(isinstance(getattr(module, flag, None), bool) for flag in FLAGS)
+    """Whether ``module`` carries a library's own checkpointing flag (``_FLAGS``)."""
+    return any(isinstance(getattr(module, flag, None), bool) for flag in _FLAGS)
 
 
 def checkpointing_flagged(model: nn.Module) -> List[Tuple[str, nn.Module]]:
@@ -136,32 +132,32 @@ def checkpointing_flagged(model: nn.Module) -> List[Tuple[str, nn.Module]]:
 def checkpointing_on(module: nn.Module) -> bool:
     """Whether a library's own gradient checkpointing is on for ``module`` (asked before
     every training forward of a wrapped model: no list is built)."""
-    return any(getattr(module, flag, None) is True for flag in FLAGS) or _wrapper_on(module)
+    return any(getattr(module, flag, None) is True for flag in _FLAGS) or _wrapper_on(module)
 
 
 def flags_on(module: nn.Module) -> List[str]:
-    """The checkpointing flags that are on in ``module`` (:data:`WRAPPER_SWITCH` for a
+    """The checkpointing flags that are on in ``module`` (:data:`_WRAPPER_SWITCH` for a
     torch ``CheckpointWrapper`` that checkpoints)."""
-    on = [flag for flag in FLAGS if getattr(module, flag, None) is True]
-    return on + [WRAPPER_SWITCH] if _wrapper_on(module) else on
+    on = [flag for flag in _FLAGS if getattr(module, flag, None) is True]
+    return on + [_WRAPPER_SWITCH] if _wrapper_on(module) else on
 
 
 def _wrapper_on(module: nn.Module) -> bool:
-    return _torch_wrapper(module) and getattr(module, WRAPPER_SWITCH) is not call_directly
+    return _torch_wrapper(module) and getattr(module, _WRAPPER_SWITCH) is not call_directly
 
 
 def switch_off(module: nn.Module, flag: str) -> Any:
     """Turn ``flag`` off in ``module``; returns what turns it back on."""
     before = getattr(module, flag)
-    setattr(module, flag, call_directly if flag == WRAPPER_SWITCH else False)
+    setattr(module, flag, call_directly if flag == _WRAPPER_SWITCH else False)
     return before
 
 
 def describe_flags(flags: List[str]) -> str:
     """``its gradient_checkpointing flag is on``, or that a torch wrapper checkpoints."""
-    named = [flag for flag in flags if flag != WRAPPER_SWITCH]
+    named = [flag for flag in flags if flag != _WRAPPER_SWITCH]
     parts = [f"its {' / '.join(named)} flag is on"] if named else []
-    if WRAPPER_SWITCH in flags:
+    if _WRAPPER_SWITCH in flags:
         parts.append("torch's CheckpointWrapper is on")
     return "; ".join(parts)
 

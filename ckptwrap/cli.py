@@ -218,18 +218,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         else None
     )
     try:
-        result, _ = plan_and_profile(
-            model,
-            policy,
-            nested=args.nested,
-            example_inputs=inputs or None,
-            example_kwargs=kwargs or None,
-            profile=frontier_profile,
-            device_rates=args.device_rates,
-            optimizer=args.optimizer,
-            accumulation=args.accumulate,
-            use_reentrant=args.use_reentrant,
-        )
+        result = _plan(args, policy, model, inputs, kwargs, profile=frontier_profile)
     except CheckpointConfigError as error:
         if args.device_memory is None or error.needed is None:
             raise
@@ -277,20 +266,11 @@ def _run_ranks(args: argparse.Namespace, build: Any, keyword: Any, policy: str) 
     if not inputs and not kwargs:
         raise UsageError("--ranks plans a training step: give --input NAME=N,N,... (and --labels) or --input-shape")
     make = build if build is not None else functools.partial(build_model, args.factory)
-
-    def planned(model: nn.Module, fake_inputs: Any, fake_kwargs: Any) -> Plan:
-        result, _ = plan_and_profile(
-            model, policy, nested=args.nested, example_inputs=tuple(fake_inputs) or None,
-            example_kwargs=fake_kwargs or None, device_rates=args.device_rates, optimizer=args.optimizer,
-            accumulation=args.accumulate, use_reentrant=args.use_reentrant,
-        )
-        return result
-
     own = DTYPES[args.dtype] if args.dtype else torch.get_default_dtype()
     gathered = DTYPES[args.gather_dtype] if args.gather_dtype else None
     options = sharding_options(args.keep_gathered, gathered, reduce_dtype=own)
     found = plan_ranks(
-        counts, make, inputs, kwargs, planned, options, smallest=args.device_memory is not None,
+        counts, make, inputs, kwargs, functools.partial(_plan, args, policy), options, smallest=args.device_memory is not None,
         replicas=args.replicas,
     )
     last = found[-1]
@@ -342,6 +322,16 @@ def _run_ranks(args: argparse.Namespace, build: Any, keyword: Any, policy: str) 
         print(_tried(found[:-1]).rstrip())
     print(last.plan)
     return 0
+
+
+def _plan(args: argparse.Namespace, policy: str, model: nn.Module, inputs: Any, kwargs: Any, **more: Any) -> Plan:
+    """The plan of ``policy`` for ``model`` on these inputs, with the command line's options."""
+    result, _ = plan_and_profile(
+        model, policy, nested=args.nested, example_inputs=tuple(inputs) or None, example_kwargs=kwargs or None,
+        device_rates=args.device_rates, optimizer=args.optimizer, accumulation=args.accumulate,
+        use_reentrant=args.use_reentrant, **more,
+    )
+    return result
 
 
 def _tried(found: Sequence[RankPlan]) -> str:

@@ -206,9 +206,8 @@ def _is_default(value: Any, default: Any) -> bool:
     return type(value) is type(default) and value == default  # 1 == True, yet 1 is not allowed
 
 
-_ARGUMENTS = {field.name: field for field in dataclasses.fields(CheckpointingArguments)}
 # The attributes add_argparse_args puts on the namespace, in the order it adds them.
-_NAMESPACE_ATTRIBUTES = tuple(_ARGUMENTS)
+_ARGUMENTS = {field.name: field for field in dataclasses.fields(CheckpointingArguments)}
 
 
 def add_argparse_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -258,7 +257,7 @@ def from_args(args: argparse.Namespace) -> ActivationCheckpointingConfig:
         CheckpointConfigError: The namespace lacks the attributes ``add_argparse_args``
             adds, or the policy or an option is not valid.
     """
-    missing = [name for name in _NAMESPACE_ATTRIBUTES if not hasattr(args, name)]
+    missing = [name for name in _ARGUMENTS if not hasattr(args, name)]
     if missing:
         raise CheckpointConfigError(
             f"the parsed arguments ({type(args).__name__}) lack {', '.join(missing)}, which "

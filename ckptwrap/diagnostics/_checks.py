@@ -1,6 +1,6 @@
 """The checks that look at the regions themselves: how they are marked, what the
-checkpointed step saw in their calls and what profiling says they save. Each returns
-findings; the gradient comparison lives in ``_gradients``, the DDP check in ``_ddp``."""
+checkpointed step saw in their calls, what profiling says they save and how DDP runs
+them. Each returns findings; the gradient comparison lives in ``_gradients``."""
 
 from __future__ import annotations
 
@@ -13,12 +13,14 @@ from .. import _torch_private
 from ..policy import code_units
 from .._hf import checkpointing_flagged, checkpointing_on, describe_flags, flags_on, how_to_keep_off, library_of, owners
 from ..measure import ModelProfile
+from ..planner import format_bytes
 from ._regions import Region
 from ._report import Finding
 from ._steps import CallLog
 
 __all__ = [
     "SAVINGS_THRESHOLD",
+    "check_ddp",
     "check_dropout_rng",
     "check_not_called",
     "check_reentrant_calls",
@@ -29,6 +31,7 @@ __all__ = [
     "check_code_checkpointing",
     "check_transformers_checkpointing",
     "display",
+    "few",
 ]
 
 SAVINGS_THRESHOLD = 0.10
@@ -46,13 +49,6 @@ def display(prefix: str, name: str) -> str:
     """The name of a module as the caller's model names it (``prefix`` is ``"module."``
     when the caller passed a DistributedDataParallel wrapper)."""
     return prefix + name if name else prefix.rstrip(".")
-
-
-def _size(count: int) -> str:
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(count) >= scale:
-            return f"{count / scale:.1f} {unit}"
-    return f"{count} B"
 
 
 def check_selected_twice(regions: List[Region], prefix: str) -> List[Finding]:
@@ -115,7 +111,7 @@ def check_buffers_changed(
         name = display(prefix, region.name)
         findings.append(Finding(
             "info", "buffers-changed", name,
-            f"{name}'s forward changes buffers in place ({_few([display(prefix, b) for b in mine])}): "
+            f"{name}'s forward changes buffers in place ({few([display(prefix, b) for b in mine])}): "
             f"ckptwrap copies them before the forward and replays them in each recomputation, so "
             f"the recomputation computes what the forward did and each buffer changes once per "
             f"step, as without checkpointing.",
@@ -140,7 +136,7 @@ def check_code_checkpointing(model: nn.Module, regions: List[Region], prefix: st
         findings.append(Finding(
             "warning", "selected-twice", name,
             f"{name} is checkpointed by ckptwrap and by the model's own code (a checkpoint call "
-            f"in the forward of {', '.join(owners_of)} checkpoints {_few([display(prefix, u) for u in overlaps])}): "
+            f"in the forward of {', '.join(owners_of)} checkpoints {few([display(prefix, u) for u in overlaps])}): "
             f"the module's forward runs three times per step instead of two and no more memory is saved.",
             "remove those checkpoint calls and let ckptwrap checkpoint (wrap_model leaves modules "
             "the model's code checkpoints out of its plans), or leave these modules out of ckptwrap's marking.",
@@ -178,7 +174,7 @@ def check_transformers_checkpointing(
             f"({describe_flags(flags)}): the module's forward runs three times per "
             f"step instead of two and no more memory is saved.",
             f"{later}switch {owner} checkpointing off: {how_to_keep_off(libraries)}.",
-            details=(f"{name} ({region.kind}) with {owner} flag on {_few([display(prefix, n) for n in overlaps])}",),
+            details=(f"{name} ({region.kind}) with {owner} flag on {few([display(prefix, n) for n in overlaps])}",),
         ))
     return findings
 
@@ -211,10 +207,18 @@ def check_not_called(
         parts = [display(prefix, part) for part in _called_parts(region, called)]
         used = _parameters_used(region, grads or {})
         if not parts and not used:
-            findings.append(_not_reached(region, name))
+            findings.append(Finding(
+                "info", "not-called", name,
+                f"{name} is checkpointed but was not called in the step doctor ran, nor was anything "
+                f"inside it: the forward did not reach it on these inputs (a data-dependent exit or "
+                f"branch, say), so doctor could not check it.",
+                "nothing to change if training inputs reach it; to check it, give example inputs "
+                "that take it. If no input ever does, its marking has no effect.",
+                details=(f"{name} ({region.kind}): not called, nor its submodules, and its parameters got no gradient",),
+            ))
             continue
-        calls = f"; the forward calls {_few(parts)} inside it" if parts else ""
-        uses = f"; its parameters {_few(used)} get gradients" if used and not parts else ""
+        calls = f"; the forward calls {few(parts)} inside it" if parts else ""
+        uses = f"; its parameters {few(used)} get gradients" if used and not parts else ""
         findings.append(Finding(
             "warning", "not-called", name,
             f"{name} is checkpointed but the model never called it in the step: its parent "
@@ -224,18 +228,6 @@ def check_not_called(
             details=(f"{name} ({region.kind}){calls}{uses}",),
         ))
     return findings
-
-
-def _not_reached(region: Region, name: str) -> Finding:
-    return Finding(
-        "info", "not-called", name,
-        f"{name} is checkpointed but was not called in the step doctor ran, nor was anything "
-        f"inside it: the forward did not reach it on these inputs (a data-dependent exit or "
-        f"branch, say), so doctor could not check it.",
-        "nothing to change if training inputs reach it; to check it, give example inputs "
-        "that take it. If no input ever does, its marking has no effect.",
-        details=(f"{name} ({region.kind}): not called, nor its submodules, and its parameters got no gradient",),
-    )
 
 
 def _parameters_used(region: Region, grads: Dict[str, Optional[torch.Tensor]]) -> List[str]:
@@ -265,8 +257,9 @@ def _inside_any(name: str, outer: List[str]) -> bool:
     return any(name.startswith(other + ".") for other in outer)
 
 
-def _few(names: List[str]) -> str:
-    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+def few(names: List[str], shown: int = 4) -> str:
+    """The first ``shown`` of ``names``, and how many more there are."""
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
 
 
 def check_savings(
@@ -303,8 +296,8 @@ def check_savings(
             f"(one that contains it and that the forward calls), which drops more activations "
             f"per input kept.",
             details=(
-                f"{name} ({region.kind}) keeps {_size(kept)} of activations and {_size(inputs)} "
-                f"of inputs, saving {_size(max(saved, 0))}; larger module: {larger}",
+                f"{name} ({region.kind}) keeps {format_bytes(kept)} of activations and {format_bytes(inputs)} "
+                f"of inputs, saving {format_bytes(max(saved, 0))}; larger module: {larger}",
             ),
         ))
     return findings
@@ -342,7 +335,7 @@ def check_dropout_rng(
             continue
         name = display(prefix, region.name)
         if dropouts:
-            detail = f"{name} has dropout ({_few(dropouts)})"
+            detail = f"{name} has dropout ({few(dropouts)})"
         else:
             detail = (
                 f"{name} draws them outside dropout modules (functional dropout, torch.rand...)"
@@ -410,3 +403,92 @@ def check_reentrant_calls(
                 details=(f"{name} gets tensors by keyword: {keys}",),
             ))
     return findings
+
+
+# --------------------------------------------------------------------------- DDP
+
+_DDP_FIX = (
+    "construct DistributedDataParallel(module, static_graph=True) (the graph must not change "
+    "between iterations), or checkpoint with use_reentrant=False (the default), which DDP "
+    "serves in every configuration."
+)
+
+
+def check_ddp(
+    model: nn.Module,
+    local: nn.Module,
+    regions: List[Region],
+    logs: Dict[str, CallLog],
+    prefix: str,
+) -> List[Finding]:
+    """Re-entrant regions under DistributedDataParallel without ``static_graph=True``.
+
+    Each re-entrant region runs its backward as a nested backward pass. DDP without
+    ``static_graph`` expects every parameter's gradient exactly once per iteration and
+    finds unused parameters by searching the graph, so it fails ("marked as ready twice")
+    with ``find_unused_parameters=True`` (the search cannot see inside a region) and when
+    a parameter is reached by a region more than once or also outside it (a region called
+    twice, a tied weight). Without those it works, but the next shared weight breaks it.
+
+    Args:
+        model: What the caller passed (a DDP wrapper or not).
+        local: The module the regions belong to (a copy of the DDP wrapper's module).
+        regions: The regions of ``local``.
+        logs: Their calls in the checkpointed step.
+        prefix: See :func:`display`: ``"module."`` when ``model`` is DistributedDataParallel.
+    """
+    if not prefix or getattr(model, "static_graph", False):
+        return []
+    reentrant = [region for region in regions if region.reentrant]
+    if not reentrant:
+        return []
+    names = [display(prefix, region.name) for region in reentrant]
+    setting = (
+        f"the model is DistributedDataParallel without static_graph=True, and "
+        f"{len(names)} region(s) use the re-entrant engine ({few(names)})"
+    )
+    reasons = []
+    if getattr(model, "find_unused_parameters", False):
+        reasons.append(
+            "find_unused_parameters=True, whose search for unused parameters cannot see "
+            "the parameters inside a re-entrant region"
+        )
+    reached_twice = _reached_twice(local, reentrant, logs)
+    if reached_twice:
+        reasons.append(
+            f"parameters of {', '.join(display(prefix, name) for name in reached_twice)} "
+            f"are reached more than once per step (a region called twice, or a weight "
+            f"shared with other code)"
+        )
+    if reasons:
+        return [Finding(
+            "error", "reentrant-ddp", "",
+            f"{setting}. Training fails ('Expected to mark a variable ready only once') "
+            f"because of {' and '.join(reasons)}: each region's nested backward hands DDP "
+            f"gradients it does not expect.",
+            _DDP_FIX,
+        )]
+    return [Finding(
+        "warning", "reentrant-ddp", "",
+        f"{setting}. DDP serves that only while find_unused_parameters is False and every "
+        f"parameter is reached once per step; the first tied weight or module called twice "
+        f"makes training fail with 'Expected to mark a variable ready only once'.",
+        _DDP_FIX,
+    )]
+
+
+def _reached_twice(local: nn.Module, reentrant: List[Region], logs: Dict[str, CallLog]) -> List[str]:
+    """Re-entrant regions called more than once in the step, or holding a parameter that
+    is also registered outside them."""
+    names = sorted((region.name for region in reentrant), key=len, reverse=True)
+    owners: Dict[int, Set[Optional[str]]] = {}
+    for name, parameter in local.named_parameters(remove_duplicate=False):
+        if parameter.requires_grad:
+            region = next((r for r in names if r == "" or name.startswith(r + ".")), None)
+            owners.setdefault(id(parameter), set()).add(region)
+    shared = {region for regions in owners.values() if len(regions) > 1 for region in regions}
+    return [
+        region.name
+        for region in reentrant
+        if region.name in shared or logs[region.name].grad_calls > 1
+    ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 from .._cli_common import UsageError, add_model_arguments, prepare
 from .._errors import CheckpointError
@@ -92,7 +92,9 @@ def _run(args: argparse.Namespace) -> int:
         )
     model, inputs, _, _ = prepare(args)
     if args.policy is not None:
-        _wrap(model, args.policy, inputs, args.use_reentrant)
+        # Only a budget needs measured costs; other policies wrap without profiling.
+        needs_costs = split_modifiers(as_policy(args.policy))[1] is not None
+        wrap_model(model, args.policy, example_inputs=inputs if needs_costs else None, use_reentrant=args.use_reentrant)
 
     report = doctor(model, inputs)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report)
@@ -101,13 +103,3 @@ def _run(args: argparse.Namespace) -> int:
         failing += report.warnings
     return 1 if failing else 0
 
-
-def _wrap(model: Any, policy: str, inputs: Any, use_reentrant: bool) -> None:
-    # Only a budget needs measured costs; other policies wrap without profiling.
-    needs_costs = split_modifiers(as_policy(policy))[1] is not None
-    wrap_model(
-        model,
-        policy,
-        example_inputs=inputs if needs_costs else None,
-        use_reentrant=use_reentrant,
-    )

@@ -14,7 +14,6 @@ from ..planner import as_example
 from ..measure import ModelProfile
 from ..wrap import PLAN_ATTRIBUTE, disabled, profile_modules, remove_pending
 from . import _checks
-from ._ddp import check_ddp
 from ._gradients import compare_gradients
 from ._regions import Region, find_regions, region_running
 from ._report import DoctorReport, Finding, group_findings
@@ -124,7 +123,7 @@ def doctor(
             checkpointed = None
             findings.append(_step_failed(error, regions, prefix))
     logs = observer.logs
-    findings += check_ddp(model, checkpointed_model, regions, logs, prefix)
+    findings += _checks.check_ddp(model, checkpointed_model, regions, logs, prefix)
 
     compared, largest = 0, 0.0
     if checkpointed is None:
@@ -161,7 +160,12 @@ def _copies(
     budget plan applied to the checkpointed one; notes on either go to ``findings``."""
     plain_model, checkpointed_model = copy_model(local), copy_model(local)
     if not local.training:
-        findings.append(_train_mode_note(local))
+        findings.append(Finding(
+            "info", "train-mode", "",
+            f"{type(local).__name__} is in eval mode; doctor ran both steps in train mode, as "
+            f"training would (dropout on, batch statistics used).",
+            "nothing to change; call model.train() before doctor to silence this note.",
+        ))
         plain_model.train()
         checkpointed_model.train()
     remove_pending(plain_model)  # it runs inside disabled(): no need to measure and plan
@@ -230,15 +234,6 @@ def _apply_pending_plan(
     )]
 
 
-def _train_mode_note(model: nn.Module) -> Finding:
-    return Finding(
-        "info", "train-mode", "",
-        f"{type(model).__name__} is in eval mode; doctor ran both steps in train mode, as "
-        f"training would (dropout on, batch statistics used).",
-        "nothing to change; call model.train() before doctor to silence this note.",
-    )
-
-
 def _no_regions(model: nn.Module) -> Finding:
     return Finding(
         "warning", "no-regions", "",
@@ -257,21 +252,16 @@ def _step_failed(error: BaseException, regions: List[Region], prefix: str) -> Fi
     text = str(error)
     if fix:
         text = text.replace(f"Fix: {fix}", "").strip()
-    if region is None:
-        return Finding(
-            "error", "step-failed", "",
-            f"the checkpointed step fails where the plain step runs: {type(error).__name__}: "
-            f"{_summary(text)}",
-            fix or "the message names the cause; the other findings may point at the region. "
-            "Run the step outside doctor for the full traceback.",
-        )
-    name = _checks.display(prefix, region.name)
+    name = "" if region is None else _checks.display(prefix, region.name)
+    cause = (
+        "the message names the cause; the other findings may point at the region."
+        if region is None else f"the message names the cause in {name}."
+    )
     return Finding(
         "error", "step-failed", name,
-        f"the checkpointed step fails in {name} where the plain step runs: "
+        f"the checkpointed step fails{'' if region is None else f' in {name}'} where the plain step runs: "
         f"{type(error).__name__}: {_summary(text)}",
-        fix or f"the message names the cause in {name}. Run the step outside doctor for the "
-        f"full traceback.",
+        fix or f"{cause} Run the step outside doctor for the full traceback.",
     )
 
 

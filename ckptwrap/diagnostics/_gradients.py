@@ -9,7 +9,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from ._checks import display
+from ._checks import display, few
 from ._regions import Region
 from ._report import Finding
 from ._steps import CallLog, StepResult
@@ -98,10 +98,6 @@ def _region_of(parameter: str, regions_innermost_first: List[str]) -> Optional[s
     return None
 
 
-def _examples(names: List[str]) -> str:
-    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-
-
 def _findings(
     key: Optional[str],
     group: _Group,
@@ -123,7 +119,7 @@ def _findings(
             _missing_fix(name, region),
             details=(
                 f"{label}: {len(group.missing)} of {group.total} parameter(s) "
-                f"({_examples(group.missing)})",
+                f"({few(group.missing, 3)})",
             ),
         ))
     if group.differing:

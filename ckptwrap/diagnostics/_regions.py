@@ -12,7 +12,7 @@ from torch import nn
 from ..engine import CheckpointOptions
 from ..wrap import CheckpointWrapper, markings_of
 
-__all__ = ["Region", "find_regions", "markings_of", "region_running"]
+__all__ = ["Region", "find_regions", "region_running"]
 
 Marking = Tuple[str, CheckpointOptions]
 

@@ -137,7 +137,7 @@ def recording_calls(model: nn.Module) -> Iterator[Set[str]]:
     and modules the forward goes around stay out. Forward hooks, removed on exit."""
     called: Set[str] = set()
     handles = [
-        module.register_forward_hook(_recorder(called, name))
+        module.register_forward_hook(lambda module, args, output, name=name: called.add(name))
         for name, module in model.named_modules(remove_duplicate=False)
     ]
     try:
@@ -145,13 +145,6 @@ def recording_calls(model: nn.Module) -> Iterator[Set[str]]:
     finally:
         for handle in handles:
             handle.remove()
-
-
-def _recorder(called: Set[str], name: str) -> Callable[..., None]:
-    def hook(module: nn.Module, args: Any, output: Any) -> None:
-        called.add(name)
-
-    return hook
 
 
 def _describe(value: Any) -> str:

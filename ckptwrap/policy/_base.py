@@ -14,7 +14,7 @@ from typing import Any, Callable, FrozenSet, List, Sequence, Tuple
 
 from torch import nn
 
-from .._errors import CheckpointConfigError, CheckpointError
+from .._errors import CheckpointConfigError
 from ._index import ModelIndex, NoMatch
 
 __all__ = [
@@ -24,16 +24,11 @@ __all__ = [
     "Names",
     "Picker",
     "Policy",
-    "PolicyNotImplemented",
     "SetTerm",
     "Union",
 ]
 
 Names = FrozenSet[str]
-
-
-class PolicyNotImplemented(CheckpointError, NotImplementedError):
-    """A policy term that is planned but not implemented yet."""
 
 
 class Policy(abc.ABC):
@@ -92,16 +87,16 @@ class Policy(abc.ABC):
         return self.describe()
 
     def __and__(self, other: Any) -> Policy:
-        return _intersect(self, _coerce(other))
+        return _intersect(self, _operand_to_policy(other))
 
     def __rand__(self, other: Any) -> Policy:
-        return _intersect(_coerce(other), self)
+        return _intersect(_operand_to_policy(other), self)
 
     def __or__(self, other: Any) -> Policy:
-        return Union(_union_parts(self) + _union_parts(_coerce(other)))
+        return Union(_union_parts(self) + _union_parts(_operand_to_policy(other)))
 
     def __ror__(self, other: Any) -> Policy:
-        return Union(_union_parts(_coerce(other)) + _union_parts(self))
+        return Union(_union_parts(_operand_to_policy(other)) + _union_parts(self))
 
     def __invert__(self) -> Policy:
         return Complement(self)
@@ -128,17 +123,13 @@ class Policy(abc.ABC):
 class SetTerm(Policy):
     """A policy that names a set of modules on its own."""
 
-    @property
-    def _is_picker(self) -> bool:
-        return False
+    _is_picker = False
 
 
 class Picker(Policy):
     """A policy that picks among candidates given in model order."""
 
-    @property
-    def _is_picker(self) -> bool:
-        return True
+    _is_picker = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,30 +250,17 @@ class Complement(Policy):
         return frozenset(candidates) - self.inner._pick(candidates)
 
 
-def _policies_only(other: Any) -> Policy:
-    if isinstance(other, Policy):
-        return other
-    raise CheckpointConfigError(
-        f"cannot combine a policy with {type(other).__name__} {other!r:.60}: no converter "
-        f"for other forms is installed; import ckptwrap.policy, or pass a Policy"
-    )
-
-
 # How the operators turn their other operand (a string, a class, a predicate) into a
 # policy. The grammar knows every form, and builds on the terms, which build on this
 # module; so rather than import it (a circle), this module lets the grammar install
 # as_policy here when it is imported, which importing the package always does.
-_operand_to_policy: Callable[[Any], Policy] = _policies_only
+_operand_to_policy: Callable[[Any], Policy]
 
 
 def install_operand_converter(convert: Callable[[Any], Policy]) -> None:
     """Make ``convert`` turn the non-Policy operands of ``&`` and ``|`` into policies."""
     global _operand_to_policy
     _operand_to_policy = convert
-
-
-def _coerce(other: Any) -> Policy:
-    return _operand_to_policy(other)
 
 
 def _split(policy: Policy) -> Tuple[Tuple[Policy, ...], Tuple[Policy, ...]]:

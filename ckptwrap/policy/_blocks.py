@@ -113,19 +113,10 @@ def detect_blocks(named: NamedModules) -> Tuple[str, ...]:
     from_class = _transformers_layers(named)
     declared = from_source | from_class
     holding_declared = {ancestor for name in declared for ancestor in _ancestors(name)}
-    # Where transformers' layers nest (Swin's stages hold its layers), transformers nests
-    # their checkpoints. A recomputed region holds all its activations at once, so the
-    # outer layers alone would keep a whole stage's; the inner ones bound the peak as the
-    # nested checkpoints do, with one recomputation instead of two, where they hold most
-    # of the outer one. Elsewhere both stay (_nesting_resolved).
     kept = _nesting_resolved(from_class, modules) | from_source
-    # A module whose library decides what it checkpoints (its forward checkpoints, or
-    # a switch sets its parts' flags: timm's set_grad_checkpointing, a diffusers model
-    # that supports it) and that holds declared units decides for all it holds: what
-    # else repeats in it (timm's stems, CaiT's class-attention blocks) its library leaves
-    # unchecked, and so does blocks. A flag alone decides nothing: UNet3D's resnets and
-    # temporal layers, around the transformers that checkpoint their own blocks, are
-    # blocks by repetition.
+    # A module whose library decides what it checkpoints (see decides) and that holds
+    # declared units decides for all it holds: what else repeats in it (timm's stems,
+    # CaiT's class-attention blocks) its library leaves unchecked, and so does blocks.
     deciding = {
         name for name, module in named
         if decides(module) and any(_inside(unit, name) for unit in declared)
@@ -197,7 +188,8 @@ those to stand for it."""
 def _nesting_resolved(declared: Set[str], modules: Dict[str, nn.Module]) -> Set[str]:
     """Where transformers' layers nest, the inner ones alone if they hold most of the
     outer one's parameters (Swin's layers in its stages, 75% beside the downsampling):
-    the outer one is left out. Else both, as transformers nests them: a plan keeps the
+    the outer one is left out, and they bound the peak as nested checkpoints would, with
+    one recomputation instead of two. Else both, as transformers nests them: a plan keeps the
     outer one and lists the inner ones as inside it, and ``nested=True`` nests them
     (Zamba2's hybrid layers and the Mamba layers inside them)."""
     chosen = set(declared)

@@ -8,12 +8,12 @@ import dataclasses
 import difflib
 import functools
 import operator
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 from torch import nn
 
 from .._errors import CheckpointConfigError
-from ._base import Policy, install_operand_converter, PolicyNotImplemented
+from ._base import Policy, install_operand_converter
 from ._modifiers import Budget, Offload, Overlap, Recompute, Selective
 from ._numbers import abbreviate, check_fraction, parse_count, parse_decimal
 from ._terms import (
@@ -56,13 +56,6 @@ class _Syntax:
         return ":" in self.usage
 
 
-def _count(term: str, letter: str, make: Callable[[int], Policy]) -> Callable[[str], Policy]:
-    def build(value: str) -> Policy:
-        return make(parse_count(term, letter, value))
-
-    return build
-
-
 def _fraction(value: str) -> Policy:
     try:
         exact = parse_decimal(value)
@@ -74,29 +67,26 @@ def _fraction(value: str) -> Policy:
     return Fraction(check_fraction(exact, shown=abbreviate(value)))
 
 
-def _type(value: str) -> Policy:
-    return Type(tuple(name.strip() for name in value.split(",")))
-
-
-def _selective(value: Optional[str]) -> Policy:
-    if value is None:
-        return Selective()
-    return Selective(tuple(name.strip() for name in value.split(",")))
+def _listed(value: str) -> Tuple[str, ...]:
+    """The names of ``type:`` and ``selective:``, joined by ``,``."""
+    return tuple(name.strip() for name in value.split(","))
 
 
 _SYNTAX: Dict[str, _Syntax] = {
     "none": _Syntax("none", lambda _: Nothing()),
     "blocks": _Syntax("blocks", lambda _: Blocks()),
     "all": _Syntax("all", lambda _: All()),
-    "type": _Syntax("type:NAME[,NAME...]", _type),
+    "type": _Syntax("type:NAME[,NAME...]", lambda value: Type(_listed(value))),
     "name": _Syntax("name:GLOB", Name),
-    "every": _Syntax("every:N", _count("every", "N", Every)),
-    "first": _Syntax("first:K", _count("first", "K", First)),
-    "last": _Syntax("last:K", _count("last", "K", Last)),
+    "every": _Syntax("every:N", lambda value: Every(parse_count("every", "N", value))),
+    "first": _Syntax("first:K", lambda value: First(parse_count("first", "K", value))),
+    "last": _Syntax("last:K", lambda value: Last(parse_count("last", "K", value))),
     "fraction": _Syntax("fraction:P", _fraction),
     "budget": _Syntax("budget:X", Budget),
     "recompute": _Syntax("recompute", lambda _: Recompute()),
-    "selective": _Syntax("selective[:OP,...]", _selective, optional=True),
+    "selective": _Syntax(
+        "selective[:OP,...]", lambda value: Selective() if value is None else Selective(_listed(value)), optional=True
+    ),
     "offload": _Syntax("offload", lambda _: Offload()),
     "overlap": _Syntax("overlap", lambda _: Overlap()),
 }
@@ -146,8 +136,6 @@ def parse_policy(spec: str) -> Policy:
         )
     try:
         terms = [_parse_term(text.strip()) for text in spec.split(";")]
-    except PolicyNotImplemented:
-        raise
     except CheckpointConfigError as error:
         raise CheckpointConfigError(f"in policy {abbreviate(repr(spec))}: {error}") from None
     return functools.reduce(operator.and_, terms)
@@ -209,14 +197,10 @@ def _parse_term(text: str) -> Policy:
         raise CheckpointConfigError(
             f"unknown term {text!r}{_suggest(keyword)}; valid terms: {_VALID_TERMS}"
         )
-    if syntax.optional and not colon:
+    if not colon and (syntax.optional or not syntax.takes_value):
         return syntax.build(None)
     if not syntax.takes_value:
-        if colon:
-            raise CheckpointConfigError(
-                f"{keyword} takes no value; got {text!r}; write {keyword!r}"
-            )
-        return syntax.build(None)
+        raise CheckpointConfigError(f"{keyword} takes no value; got {text!r}; write {keyword!r}")
     if not value:
         raise CheckpointConfigError(f"{keyword} needs a value, as in {syntax.usage}; got {text!r}")
     return syntax.build(value)

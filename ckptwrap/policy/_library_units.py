@@ -91,7 +91,7 @@ def code_units(named: Sequence[Tuple[str, nn.Module]]) -> Dict[str, str]:
     for name, module in named:
         if flagged(module) or type(module).__module__.split(".")[0] == "ckptwrap":
             continue
-        for unit, guards in _guarded_units_of(type(module)):
+        for unit, guards in _read(type(module))[0]:
             if _may_run(guards, module):
                 for each in _names_of(unit, module, names):
                     if each:
@@ -152,12 +152,7 @@ Guards = Tuple[Guard, ...]
 def _units_of(cls: type) -> Tuple[Unit, ...]:
     """What the forward of ``cls``, and the methods it calls on itself (timm's
     ``forward_features``), hand to a checkpoint function (see the module)."""
-    return tuple(dict.fromkeys(unit for unit, _ in _guarded_units_of(cls)))
-
-
-def _guarded_units_of(cls: type) -> Tuple[Tuple[Unit, Guards], ...]:
-    """:func:`_units_of`, each unit with the ``if`` tests around the call that hands it over."""
-    return _read(cls)[0]
+    return tuple(dict.fromkeys(unit for unit, _ in _read(cls)[0]))
 
 
 def unfollowed_calls(cls: type) -> Tuple[str, ...]:
@@ -168,6 +163,8 @@ def unfollowed_calls(cls: type) -> Tuple[str, ...]:
 
 @functools.lru_cache(maxsize=None)
 def _read(cls: type) -> Tuple[Tuple[Tuple[Unit, Guards], ...], Tuple[str, ...]]:
+    """The units of :func:`_units_of`, each with the ``if`` tests around the call that hands
+    it over, and the calls of :func:`unfollowed_calls`."""
     units: List[Tuple[Unit, Guards]] = []
     unfollowed: List[str] = []
     queue, read = ["forward"], set()
@@ -179,9 +176,9 @@ def _read(cls: type) -> Tuple[Tuple[Tuple[Unit, Guards], ...], Tuple[str, ...]]:
         function = _parsed(getattr(cls, method, None))
         if function is None or not function.args.args:
             continue
-        own = function.args.args[0].arg  # ``self``
+        own = function.args.args[0].arg  # ``self``, which stands for the module
         reader = _Reader(own)
-        reader.statements(function.body, _Scope.of(own), ())
+        reader.statements(function.body, _Scope({own: frozenset({()})}, {}), ())
         units.extend(reader.found)
         unfollowed.extend(reader.unfollowed)
         queue.extend(_own_calls(function, own))
@@ -215,10 +212,6 @@ class _Scope:
 
     modules: Dict[str, FrozenSet[Path]]
     values: Dict[str, Tuple[ast.expr, "_Scope"]]
-
-    @staticmethod
-    def of(own: str) -> "_Scope":
-        return _Scope({own: frozenset({()})}, {})
 
     def bind(self, name: str, paths: FrozenSet[Path], value: Optional[Tuple[ast.expr, "_Scope"]] = None) -> "_Scope":
         """This scope with ``name`` rebound: to nothing known where ``paths`` is empty

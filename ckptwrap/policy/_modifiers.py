@@ -37,6 +37,7 @@ _UNITS = {
     "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40,
     "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 }
+_UNIT_NAMES = "B, KiB, MiB, GiB, TiB, KB, MB, GB, TB"
 _TOTAL = re.compile(r"total\s*=(.*)", re.IGNORECASE | re.DOTALL)
 _AMOUNT = re.compile(r"([0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE]([+-]?[0-9]+))?\s*(%|[A-Za-z]+)")
 
@@ -129,7 +130,7 @@ def _amount(text: str, prefix: str) -> Tuple[Optional[float], Optional[int]]:
         raise CheckpointConfigError(
             f"budget:{prefix}{abbreviate(text)} is malformed: write a percentage of the "
             f"un-checkpointed training step's peak such as budget:40%, an amount such as "
-            f"budget:512MiB, budget:2GiB or budget:1.5e9B (units: {', '.join(_unit_names())}), "
+            f"budget:512MiB, budget:2GiB or budget:1.5e9B (units: {_UNIT_NAMES}), "
             f"a whole device's memory such as budget:total=80GiB, or budget:device"
         )
     # Exact arithmetic: a float of hundreds of digits would overflow to infinity.
@@ -170,10 +171,6 @@ def _too_large(text: str, unit: str) -> str:
         f"budget:{abbreviate(text)} is out of range: an amount must be from 1 B to "
         f"{MAX_BYTES} B (8 EiB), such as budget:512MiB"
     )
-
-
-def _unit_names() -> Tuple[str, ...]:
-    return ("B", "KiB", "MiB", "GiB", "TiB", "KB", "MB", "GB", "TB")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,7 +272,7 @@ def split_modifiers(policy: Policy) -> Tuple[Policy, Optional[Budget], Optional[
     elif not pickers and len(parts_sets) == 1:
         rest = parts_sets[0]
     else:
-        rest = Intersection(sets=parts_sets, pickers=pickers) if parts_sets or pickers else Blocks()
+        rest = Intersection(sets=parts_sets, pickers=pickers)
     return rest, (budgets[0] if budgets else None), (tiers[0] if tiers else None)
 
 

@@ -73,19 +73,14 @@ def check_count(term: str, letter: str, value: Any) -> int:
 def parse_count(term: str, letter: str, text: str) -> int:
     """The count written as ``text`` (digits only), range-checked before conversion."""
     digits = text.lstrip("0")
-    if not text.isdigit() or not text.isascii() or len(digits) > len(str(MAX_COUNT)):
-        problem = "malformed" if not (text.isdigit() and text.isascii()) else "out of range"
+    malformed = not (text.isdigit() and text.isascii())
+    # The length is checked first: int() of thousands of digits is refused.
+    if malformed or len(digits) > len(str(MAX_COUNT)) or not 1 <= int(digits or "0") <= MAX_COUNT:
         raise CheckpointConfigError(
-            f"{term}:{abbreviate(text)} is {problem}: {letter} must be a whole number with "
-            f"1 <= {letter} <= {MAX_COUNT}, such as {term}:2"
+            f"{term}:{abbreviate(text)} is {'malformed' if malformed else 'out of range'}: {letter} must be "
+            f"a whole number with 1 <= {letter} <= {MAX_COUNT}, such as {term}:2"
         )
-    value = int(digits or "0")
-    if not 1 <= value <= MAX_COUNT:
-        raise CheckpointConfigError(
-            f"{term}:{abbreviate(text)} is out of range: {letter} must be a whole number with "
-            f"1 <= {letter} <= {MAX_COUNT}, such as {term}:2"
-        )
-    return value
+    return int(digits)
 
 
 def check_fraction(value: Any, shown: str = "") -> float:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Dict, FrozenSet, Iterable, Optional, Tuple
+from typing import Any, Dict, FrozenSet, Optional, Tuple
 
 import torch
 
@@ -58,10 +58,6 @@ def _packet(name: str) -> object:
         return getattr(torch.ops.aten, name)
     except (AttributeError, RuntimeError):
         return None
-
-
-def describe_ops(packets: Iterable[object]) -> str:
-    return ", ".join(sorted(str(p) for p in packets))
 
 
 def draws_random(func: Any, args: Tuple[Any, ...] = (), kwargs: Optional[Dict[str, Any]] = None) -> bool:
