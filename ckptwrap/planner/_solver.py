@@ -739,7 +739,7 @@ def _least_budget(budget: object, lowest: int) -> int:
     """The least budget that reaches a step peak of ``lowest``: a device's whole memory
     for a budget in its terms, else the step's bytes."""
     if isinstance(budget, StepBudget):
-        return budget.total_for(lowest)
+        return budget.memory.whole_peak(lowest)
     return lowest
 
 
