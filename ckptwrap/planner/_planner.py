@@ -92,7 +92,7 @@ from ..measure import (
     tensors,
 )
 from ._device_memory import DeviceMemory, DeviceTerms
-from ._peak_model import CostItem, Level, forward_levels, predicted_peak, saving, with_step_terms
+from ._peak_model import CostItem, Level, predicted_peak, saving, step_items
 from ._plan import BOUNDS, PlanEntry
 from ._shapes import LayoutCosts, Layouts, PlanSettings
 from ._solver import BudgetSolution, lowest_plan, resolve_budget, solve_budget
@@ -102,7 +102,6 @@ __all__ = [
     "Decision",
     "PlannedStep",
     "ShapePlanner",
-    "step_items",
 ]
 
 
@@ -239,24 +238,6 @@ class Choice:
     memory: Optional[DeviceMemory] = None
     """What the device holds besides the step, where a budget in its terms or an
     optimizer was given."""
-
-
-def step_items(
-    profile: ModelProfile,
-    names: Sequence[str],
-    *,
-    segments: bool = False,
-    levels: bool = False,
-    region_bytes: int = 0,
-) -> Tuple[List[Tuple[str, CostItem]], Dict[str, Tuple[Level, ...]], int]:
-    """The solver's items for ``names`` in forward order with the step's terms, the
-    selective levels behind each one's options, and the solver's tail: what a plan is
-    solved on (see ``forward_levels`` for the arguments)."""
-    found = forward_levels(
-        profile, names, segments=segments, levels=levels, region_bytes=region_bytes
-    )
-    ordered, tail = with_step_terms([(name, item) for name, item, _ in found], profile)
-    return ordered, {name: ours for name, _, ours in found}, tail
 
 
 def plain_peak(profile: ModelProfile, names: Sequence[str], *, region_bytes: int = 0) -> int:
