@@ -54,7 +54,6 @@ __all__ = [
     "plain_moment",
     "plan_moments",
     "predicted_peak",
-    "saving",
     "segment_moment",
     "step_items",
 ]
@@ -762,12 +761,6 @@ def cost_item(cost: Any, *, time: float, segments: bool = False, region_bytes: i
         call_kept=min(call_kept, int(cost.kept_bytes) - handed_over),
         call_inputs=(extra_inputs + int(cost.policy_saved_bytes)) // calls + region_bytes,
     )
-
-
-def saving(item: CostItem, joined: bool) -> int:
-    """What checkpointing the candidate saves: in a segment after its first module, all it
-    keeps and its input; otherwise what it keeps beyond what its region keeps."""
-    return item.kept + (item.joins or 0) if joined else item.kept - item.inputs
 
 
 def step_items(

@@ -92,7 +92,7 @@ from ..measure import (
     tensors,
 )
 from ._device_memory import DeviceMemory, DeviceTerms
-from ._peak_model import CostItem, Level, predicted_peak, saving, step_items
+from ._peak_model import CostItem, Level, predicted_peak, step_items
 from ._plan import BOUNDS, PlanEntry
 from ._shapes import LayoutCosts, Layouts, PlanSettings
 from ._solver import BudgetSolution, lowest_plan, resolve_budget, solve_budget
@@ -318,6 +318,8 @@ def _entries(
     picked: Set[str],
     recompute: bool,
 ) -> Tuple[PlanEntry, ...]:
+    """The plan entries of the chosen candidates, each with how it is checkpointed and
+    what that is predicted to save and cost."""
     joins: Dict[str, str] = {}
     in_segments: Set[str] = set()
     for segment in solution.segments:
@@ -329,44 +331,27 @@ def _entries(
             name = ordered[index][0]
             chosen_levels[name] = levels_of[name][option - 1]
     by_name = dict(ordered)
-    return tuple(
-        _entry(name, kind, by_name[name], joins, in_segments, chosen_levels.get(name), recompute)
-        for name, kind in candidates
-        if name in picked
-    )
-
-
-def _entry(
-    name: str,
-    kind: str,
-    item: CostItem,
-    joins: Dict[str, str],
-    in_segments: Set[str],
-    level: Optional[Level],
-    recompute: bool,
-) -> PlanEntry:
-    """The plan entry of a chosen candidate, with how it is checkpointed and what that
-    is predicted to save and cost."""
-    if level is not None:
-        return PlanEntry(
-            name,
-            kind,
-            saved_bytes=item.kept - level.option.inputs,
-            recompute_time=level.option.time,
-            option=level.option.label,
-            saved_ops=level.instances,
-        )
-    option = None
-    if recompute:
-        option = "segment" if name in in_segments else "recompute"
-    return PlanEntry(
-        name,
-        kind,
-        saved_bytes=saving(item, name in joins),
-        recompute_time=item.time,
-        joins=joins.get(name),
-        option=option,
-    )
+    entries = []
+    for name, kind in candidates:
+        if name not in picked:
+            continue
+        item, level = by_name[name], chosen_levels.get(name)
+        if level is not None:
+            entries.append(PlanEntry(
+                name, kind, saved_bytes=item.kept - level.option.inputs, recompute_time=level.option.time,
+                option=level.option.label, saved_ops=level.instances,
+            ))
+            continue
+        option = None
+        if recompute:
+            option = "segment" if name in in_segments else "recompute"
+        # In a segment after its first module it saves all it keeps and its input;
+        # otherwise what it keeps beyond what its region keeps.
+        saved = item.kept + (item.joins or 0) if name in joins else item.kept - item.inputs
+        entries.append(PlanEntry(
+            name, kind, saved_bytes=saved, recompute_time=item.time, joins=joins.get(name), option=option,
+        ))
+    return tuple(entries)
 
 
 _CACHED = 64
@@ -431,9 +416,6 @@ class NothingNeeded:
     def forget(self, costs_id: int) -> None:
         for key in [key for key in self._found if key[0] == costs_id]:
             del self._found[key]
-
-    def clear(self) -> None:
-        self._found.clear()
 
 
 class PlanCache:
