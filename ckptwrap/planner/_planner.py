@@ -484,8 +484,8 @@ class BudgetReading:
             try:
                 declared = costs.layout.declared(self.max_shapes)
             except CheckpointConfigError:
-                declared = None
-            if declared is not None:
+                pass
+            else:
                 self.reference = max(self.reference, self._plain_at(costs.profile_at(declared)))
         if self.device.in_terms:
             return self.device.step_budget()
@@ -586,11 +586,6 @@ class ShapePlanner:
         through saved-tensor hooks (off after a measured step whose backward never came:
         a graph dropped unused keeps what such hooks hold)."""
 
-    @property
-    def reference(self) -> int:
-        """The largest un-checkpointed peak planned for so far."""
-        return self.reading.reference
-
     def __getstate__(self) -> Dict[str, Any]:
         # A loss function often cannot pickle: left out, the steps measured on example
         # inputs after unpickling use the default loss.
@@ -642,17 +637,15 @@ class ShapePlanner:
         args: Tuple[Any, ...],
         kwargs: Dict[str, Any],
         *,
-        device: Optional[torch.device] = None,
+        device: torch.device,
         fresh: Callable[[], bool] = lambda: True,
     ) -> Decision:
         """What the training forward on these inputs runs under, on ``device`` (where the
-        step allocates; read from the inputs and the model by default). ``fresh()``: the
-        step starts from no parameter gradients (only such a step is checked). Metering
-        a step on an accelerator costs nothing (its peak statistics): every one is checked
-        there."""
+        step allocates). ``fresh()``: the step starts from no parameter gradients (only
+        such a step is checked). Metering a step on an accelerator costs nothing (its peak
+        statistics): every one is checked there."""
         self._schedule.step()
         self._take_in()
-        device = step_device(model, args, kwargs) if device is None else device
         self.device.before_step(model, device, fresh, args, kwargs)
         costs, sizes = self._layouts.of(args, kwargs)
         if self._previous != (id(costs), sizes):
@@ -768,10 +761,6 @@ class ShapePlanner:
         elif decision.choice is not None:
             self._schedule.timed(seconds, checked=decision.metered, size=math.prod(decision.sizes))
 
-    def _step_abandoned(self, decision: Decision) -> None:
-        """A measuring step ended without a backward."""
-        self.watch_base = False
-
     def _step_checked(self, decision: Decision, peak: int, exact: bool = True) -> None:
         """The step of ``decision`` peaked at ``peak`` bytes (its meter's reading; an upper
         bound of it where not ``exact``)."""
@@ -781,7 +770,7 @@ class ShapePlanner:
         # Above the prediction, beyond what the plan kept free for such misses, as a share
         # of the largest un-checkpointed peak planned for: a miss at a short batch, far
         # below the budget, is not taken as that share of every longer batch.
-        plain = max(choice.plain_peak, self.reference, 1)
+        plain = max(choice.plain_peak, self.reading.reference, 1)
         share = (peak - choice.predicted_peak - decision.margin * choice.plain_peak) / plain
         if not exact and share > _MISS:
             # An accelerator's peak not raised by the step, and above the prediction: the
@@ -1054,7 +1043,7 @@ class PlannedStep:
         self.ended = True
         if self.recorder is not None:
             self.recorder.abandon(why)
-            self.planner._step_abandoned(self.decision)
+            self.planner.watch_base = False
         elif self.meter is not None:
             self.meter.stop()
 

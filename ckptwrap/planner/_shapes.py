@@ -595,23 +595,24 @@ class CostFit:
         profiles = [profile for _, profile in samples]
         self.points = points
         self.powers: Form = form if form is not None else basis(self.names, points, batched)
-        _check_alike(profiles)
+        first = _shape_of(profiles[0])
+        if any(_shape_of(profile) != first for profile in profiles[1:]):
+            raise ShapesDiffer("the model called other candidates, or called them otherwise, at another shape")
         lined_up = _ops_lined_up(profiles)
         self.template = _without_ops(profiles[-1], lined_up)
         flat = [_flatten(profile, lined_up) for profile in profiles]
         self.keys = sorted(set.intersection(*(set(row[0]) for row in flat)))
         values = [[float(row[0][key]) for row in flat] for key in self.keys]
         self._ints, residual = fit_columns(self.powers, points, values)
-        self.residual = dict(zip(self.keys, residual))
         # What the allocator held beyond a phase's counted moments is a difference of two
         # peaks: smooth where it is a workspace that grows with the shape, a step where
         # the allocator's peak falls elsewhere at some shapes. Where no polynomial follows
-        # it, its largest seen.
-        self._steady = {
-            key: int(max(column))
-            for key, column, miss in zip(self.keys, values, residual)
+        # it, its largest seen (by its position among the fitted values).
+        self._steady_at = [
+            (position, int(max(column)))
+            for position, (key, column, miss) in enumerate(zip(self.keys, values, residual))
             if key.endswith("/over") and miss > max(_OVER_SLACK, _OVER_SHARE * abs(max(column)))
-        }
+        ]
         # Every run of moments that lines up across the profiles, fitted as columns of one
         # polynomial (one pass evaluates them all), with its columns' slice per key.
         self._slices: Dict[str, Tuple[int, int]] = {}
@@ -629,7 +630,6 @@ class CostFit:
         # evaluated at most new shapes a loop meets, and has hundreds of terms.
         at = {key: position for position, key in enumerate(self.keys)}
         self._counted = [position for position, key in enumerate(self.keys) if _counts(key)]
-        self._steady_at = [(at[key], value) for key, value in self._steady.items()]
         self._terms = [_Terms.of(cost, at) for cost in self.template.modules]
         self._others = [(key, position) for key, position in at.items() if key.partition("/")[0] in _OTHERS]
 
@@ -849,13 +849,6 @@ def _shape_of(profile: ModelProfile) -> Tuple[Any, ...]:
         step.at_allocator,
     )
     return modules, phases
-
-
-def _check_alike(profiles: Sequence[ModelProfile]) -> None:
-    first = _shape_of(profiles[0])
-    for profile in profiles[1:]:
-        if _shape_of(profile) != first:
-            raise ShapesDiffer("the model called other candidates, or called them otherwise, at another shape")
 
 
 def _ops_lined_up(profiles: Sequence[ModelProfile]) -> Set[str]:
