@@ -272,15 +272,11 @@ def choose(
     within it finds no plan for raises at once, ``strict`` or not.
     """
     names = [name for name, _ in candidates]
-    if budget is None:
-        ordered, levels_of, tail = step_items(
-            profile, [cost.name for cost in profile.modules], segments=False, levels=False,
-            region_bytes=region_bytes,
-        )
-    else:
-        ordered, levels_of, tail = step_items(
-            profile, names, segments=segments, levels=levels, region_bytes=region_bytes
-        )
+    solving = budget is not None
+    ordered, levels_of, tail = step_items(
+        profile, names if solving else [cost.name for cost in profile.modules],
+        segments=segments and solving, levels=levels and solving, region_bytes=region_bytes,
+    )
     items = [item for _, item in ordered]
     base = profile.base_bytes
     plain = predicted_peak(items, (), base=base, tail=tail)

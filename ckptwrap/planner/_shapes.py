@@ -355,10 +355,8 @@ def read_layout(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> InputLayout:
         else:
             described.append((type(leaf).__name__,))
     roots: List[Any] = []
-    for position, value in enumerate(args):
-        roots += [position] * len(tree_flatten(value)[0])
-    for name, value in sorted(kwargs.items()):
-        roots += [name] * len(tree_flatten(value)[0])
+    for root, value in [*enumerate(args), *sorted(kwargs.items())]:
+        roots += [root] * len(tree_flatten(value)[0])
     return InputLayout(spec, tuple(described), tuple(variables), tuple(roots))
 
 
@@ -725,12 +723,9 @@ class CostFit:
             ]
             if not seen:
                 continue
-            works = {work for work, _ in seen}
-            if len(works) < 2:
+            if len({work for work, _ in seen}) < 2:
                 work, seconds = max(seen)
-                timings[cost.name] = _Timing(0.0, seconds / work if work > 0 else 0.0)
-                if work <= 0:
-                    timings[cost.name] = _Timing(seconds, 0.0)
+                timings[cost.name] = _Timing(0.0, seconds / work) if work > 0 else _Timing(seconds, 0.0)
                 continue
             design = torch.tensor([[1.0, work] for work, _ in seen], dtype=torch.float64)
             times = torch.tensor([[seconds] for _, seconds in seen], dtype=torch.float64)
@@ -1200,11 +1195,8 @@ class LayoutCosts:
                 del self.profiles[point]
 
     def _refit(self) -> None:
-        self._fitted.clear()
-        self._covered.clear()
-        self._known.clear()
-        self._single.clear()
-        self._scaled.clear()
+        for table in (self._fitted, self._covered, self._known, self._single, self._scaled):
+            table.clear()
         samples = list(self.profiles.items())
         names, batched = self.layout.names, self.layout.batched
         try:
