@@ -12,9 +12,9 @@ a step costs, measured or on fake tensors, is ``measure``'s.
 """
 
 from ._device_memory import DeviceMemory, OPTIMIZERS, OptimizerSpec, optimizer_spec
-from ._peak_model import CostItem, CostOption, format_bytes, predicted_peak
+from ._peak_model import CostItem, CostOption, format_bytes, predicted_peak, step_items
 from ._plan import Plan, PlanEntry
-from ._planner import Choice, Decision, PlannedStep, ShapePlanner, step_items
+from ._planner import Choice, Decision, PlannedStep, ShapePlanner
 from ._shapes import PlanSettings, as_example, read_layout
 from ._solver import BudgetSolution, smallest_reachable_peak, solve_budget
 

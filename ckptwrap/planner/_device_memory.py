@@ -1,12 +1,7 @@
-"""What a device holds besides one training step: the optimizer's state and step, the
-parameters and gradients, and the budget in a device's terms.
-
-What a device holds besides one training step, for budgets in a device's terms
+"""What a device holds besides one training step, for budgets in a device's terms
 (``budget:total=SIZE``, ``budget:device``): the parameters, buffers and gradients, and
-the optimizer's state and step, measured from two optimizer steps on fake tensors.
-
-The optimizer as the device's memory sees it: its state and its step's temporaries,
-measured from two steps of it over fake stand-ins of the model's parameters.
+the optimizer's state and step's temporaries, measured from two steps of it over fake
+stand-ins of the model's parameters.
 """
 
 from __future__ import annotations
@@ -158,13 +153,6 @@ def _stand_in(param: torch.Tensor) -> torch.Tensor:
     return stand_in
 
 
-def _init_options(kind: type) -> Mapping[str, Any]:
-    try:
-        return inspect.signature(kind).parameters
-    except (TypeError, ValueError):
-        return {}
-
-
 def _build(spec: OptimizerSpec, groups: Any) -> torch.optim.Optimizer:
     try:
         return spec.kind(groups, **dict(spec.defaults))
@@ -191,7 +179,11 @@ def _groups(spec: OptimizerSpec, stand_ins: List[torch.Tensor], accelerator: boo
         group: Dict[str, Any] = dict(hyper)
         group["params"] = [stand_ins[i] for i in positions]
         if accelerator and group.get("foreach") is None and not group.get("fused"):
-            if "foreach" in _init_options(spec.kind):
+            try:
+                options: Mapping[str, Any] = inspect.signature(spec.kind).parameters
+            except (TypeError, ValueError):
+                options = {}
+            if "foreach" in options:
                 group["foreach"] = True
         groups.append(group)
     return groups
@@ -254,12 +246,6 @@ class DeviceMemory:
         accumulates into held ones does not allocate again."""
         return max(self.held + self.inputs + self.held_gradients + step_peak, self.optimizer_peak)
 
-    def step_budget(self) -> "StepBudget":
-        """What a training step may allocate beside its inputs and the gradients it
-        starts with."""
-        assert self.total is not None
-        return StepBudget(self)
-
     def to_dict(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -276,29 +262,20 @@ class StepBudget(int):
         self.memory = memory
         return self
 
-    @property
-    def held_gradients(self) -> int:
-        return self.memory.held_gradients
-
-    def total_for(self, step_peak: int) -> int:
-        """The least device memory under which a step peaking at ``step_peak`` fits, with
-        what this budget took off (held, inputs, gradients held) and the optimizer's step."""
-        return self.memory.whole_peak(step_peak)
-
     def describe_parts(self) -> str:
         """The budget as a sum, for messages."""
         m = self.memory
-        parts = [f"parameters {_gib(m.parameters)}", f"buffers {_gib(m.buffers)}"]
+        parts = [f"parameters {format_bytes(m.parameters)}", f"buffers {format_bytes(m.buffers)}"]
         parts.append(
-            f"{m.optimizer} state {_gib(m.optimizer_state)}" if m.optimizer else "no optimizer state (none given)"
+            f"{m.optimizer} state {format_bytes(m.optimizer_state)}" if m.optimizer else "no optimizer state (none given)"
         )
         if m.inputs:
-            parts.append(f"the step's inputs {_gib(m.inputs)}")
-        if self.held_gradients:
-            parts.append(f"gradients held from earlier steps {_gib(self.held_gradients)}")
+            parts.append(f"the step's inputs {format_bytes(m.inputs)}")
+        if m.held_gradients:
+            parts.append(f"gradients held from earlier steps {format_bytes(m.held_gradients)}")
         # In bytes too: it is compared with a peak in messages, where rounded units alone
         # could show two that differ as equal.
-        return f"{m.source} less {', '.join(parts)} leaves {_gib(int(self))} ({int(self)} bytes) for the step"
+        return f"{m.source} less {', '.join(parts)} leaves {format_bytes(int(self))} ({int(self)} bytes) for the step"
 
     def __reduce__(self) -> Tuple[object, ...]:
         return (StepBudget, (self.memory,))
@@ -396,32 +373,55 @@ class DeviceTerms:
             self.inputs = input_bytes(args, kwargs, device)
 
     def step_budget(self) -> "StepBudget":
-        assert self.memory is not None, "read at the first plan"
-        return self.memory.step_budget()
+        """What a training step may allocate beside its inputs and the gradients it
+        starts with."""
+        assert self.memory is not None and self.memory.total is not None, "read at the first plan"
+        return StepBudget(self.memory)
 
     def check_optimizer(self, model: nn.Module, *, strict: bool) -> None:
         """The optimizer's step needs the gradients and its temporaries beside what is
         held, whatever the plan: past the device, an error with ``strict``, else said once."""
-        if not self.in_terms or self.memory is None:
+        memory = self.memory
+        if not self.in_terms or memory is None or memory.total is None or memory.optimizer_peak <= memory.total:
             return
-        message = optimizer_beyond(self.memory, self.budget, model)
-        if message is None:
-            return
+        message = (
+            f"{self.budget.describe()}: {type(model).__name__}'s optimizer step alone needs "
+            f"{format_bytes(memory.optimizer_peak)} (parameters, buffers, {memory.optimizer or 'no'} "
+            f"optimizer state, the batch, gradients {format_bytes(memory.gradients)} and the step's temporaries "
+            f"{format_bytes(memory.optimizer_step)}), more than {memory.source} ({format_bytes(memory.total)}), "
+            f"whatever is checkpointed. Shard the model or its optimizer state (FSDP2), train "
+            f"fewer parameters, or use a larger device."
+        )
         if strict:
             error = CheckpointConfigError(message)
-            error.needed = self.memory.optimizer_peak
-            error.offered = self.memory.total
+            error.needed = memory.optimizer_peak
+            error.offered = memory.total
             raise error
         if not self._said:
             self._said = True
             warn(message)
 
     def _read(self, model: nn.Module, device: torch.device, *, fake_step: bool) -> None:
-        if self._memory is None:
-            with outside_fake():
-                self._memory = read_memory(
-                    model, device, self.budget, self.optimizer, rates=self.rates, fake_step=fake_step
-                )
+        """The device's memory, read once; said where a budget in a device's terms counts
+        no optimizer."""
+        if self._memory is not None:
+            return
+        budget = self.budget
+        scope = budget.scope if budget is not None else "step"
+        with outside_fake():
+            memory = device_memory(
+                model, device, self.optimizer,
+                total=budget.parsed()[1] if scope == "total" else None,
+                written=budget.describe() if budget is not None else "",
+                from_device=scope == "device", fake_step=fake_step, rates=self.rates,
+            )
+        if self.optimizer is None and scope != "step":
+            warn(
+                f"{budget.describe()} counts the parameters, buffers and gradients of "
+                f"{type(model).__name__}, but no optimizer state: pass optimizer= (the optimizer, "
+                f"or a name such as 'adamw') to wrap_model or plan so that its state and step count too."
+            )
+        self._memory = memory
 
 
 def input_bytes(args: Any, kwargs: Any, device: torch.device) -> int:
@@ -434,42 +434,6 @@ def input_bytes(args: Any, kwargs: Any, device: torch.device) -> int:
 def _gradient_bytes(model: nn.Module) -> int:
     """Bytes of the gradients the model's parameters hold now."""
     return sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
-
-
-def read_memory(
-    model: nn.Module, device: torch.device, budget: Any, optimizer: Optional[OptimizerSpec], *, rates: Any, fake_step: bool
-) -> DeviceMemory:
-    """The :class:`DeviceMemory` of a plan with this budget term and optimizer; said where
-    a budget in a device's terms counts no optimizer."""
-    scope = budget.scope if budget is not None else "step"
-    memory = device_memory(
-        model, device, optimizer,
-        total=budget.parsed()[1] if scope == "total" else None,
-        written=budget.describe() if budget is not None else "",
-        from_device=scope == "device", fake_step=fake_step, rates=rates,
-    )
-    if optimizer is None and scope != "step":
-        warn(
-            f"{budget.describe()} counts the parameters, buffers and gradients of "
-            f"{type(model).__name__}, but no optimizer state: pass optimizer= (the optimizer, "
-            f"or a name such as 'adamw') to wrap_model or plan so that its state and step count too."
-        )
-    return memory
-
-
-def optimizer_beyond(memory: DeviceMemory, budget: Any, model: nn.Module) -> Optional[str]:
-    """What to say where the optimizer's step alone passes the device (the gradients and
-    its temporaries beside what is held, whatever the plan), else None."""
-    if memory.total is None or memory.optimizer_peak <= memory.total:
-        return None
-    return (
-        f"{budget.describe()}: {type(model).__name__}'s optimizer step alone needs "
-        f"{_gib(memory.optimizer_peak)} (parameters, buffers, {memory.optimizer or 'no'} "
-        f"optimizer state, the batch, gradients {_gib(memory.gradients)} and the step's temporaries "
-        f"{_gib(memory.optimizer_step)}), more than {memory.source} ({_gib(memory.total)}), "
-        f"whatever is checkpointed. Shard the model or its optimizer state (FSDP2), train "
-        f"fewer parameters, or use a larger device."
-    )
 
 
 def _bytes(found: Iterable[torch.Tensor]) -> int:
@@ -495,7 +459,7 @@ def _rated_memory(rates: Any, device: torch.device) -> Tuple[int, str]:
             "budget:total=80GiB."
         )
     usable = int(named.memory_bytes * (1 - DEVICE_MARGIN))
-    return usable, f"{named.name}'s {_gib(named.memory_bytes)} less {DEVICE_MARGIN:.0%}"
+    return usable, f"{named.name}'s {format_bytes(named.memory_bytes)} less {DEVICE_MARGIN:.0%}"
 
 
 def _free_memory(model: nn.Module, device: torch.device) -> Tuple[int, str]:
@@ -517,14 +481,10 @@ def _free_memory(model: nn.Module, device: torch.device) -> Tuple[int, str]:
     )
     usable = free + cached + present - int(whole * DEVICE_MARGIN)
     return max(0, usable), (
-        f"{device}'s free memory ({_gib(free + cached)} now, with the model's "
-        f"{_gib(present)}) less {DEVICE_MARGIN:.0%} of its {_gib(whole)}"
+        f"{device}'s free memory ({format_bytes(free + cached)} now, with the model's "
+        f"{format_bytes(present)}) less {DEVICE_MARGIN:.0%} of its {format_bytes(whole)}"
     )
 
 
 def _grads(model: nn.Module) -> Iterable[torch.Tensor]:
     return (p.grad for p in model.parameters() if p.grad is not None)
-
-
-def _gib(n: int) -> str:
-    return format_bytes(n)

@@ -46,8 +46,6 @@ __all__ = [
     "check_bytes",
     "check_items",
     "format_bytes",
-    "forward_items",
-    "forward_levels",
     "item_before",
     "item_carried",
     "item_held",
@@ -56,9 +54,8 @@ __all__ = [
     "plain_moment",
     "plan_moments",
     "predicted_peak",
-    "saving",
     "segment_moment",
-    "with_step_terms",
+    "step_items",
 ]
 
 
@@ -766,44 +763,27 @@ def cost_item(cost: Any, *, time: float, segments: bool = False, region_bytes: i
     )
 
 
-def saving(item: CostItem, joined: bool) -> int:
-    """What checkpointing the candidate saves: in a segment after its first module, all it
-    keeps and its input; otherwise what it keeps beyond what its region keeps."""
-    return item.kept + (item.joins or 0) if joined else item.kept - item.inputs
-
-
-def forward_items(
+def step_items(
     profile: ModelProfile,
     names: Sequence[str],
     *,
     segments: bool = False,
     levels: bool = False,
     region_bytes: int = 0,
-) -> List[Tuple[str, CostItem]]:
-    """The solver's items for ``names``, in the order the profiled forward called them.
+) -> Tuple[List[Tuple[str, CostItem]], Dict[str, Tuple[Level, ...]], int]:
+    """What a plan is solved on: the solver's items for ``names`` in the order the
+    profiled forward called them, with the step's terms; the selective levels behind each
+    one's ``options``; and the solver's ``tail``.
 
     Candidates never called outside another candidate's call come last, in the given order.
     With ``segments``, a candidate may join the one before it only if that one is among
     ``names`` and just before it in this order. With ``levels``, each item carries its
-    selective levels as ``options`` (see :func:`forward_levels`).
+    selective levels as ``options`` (none for a candidate called several times). Every
+    time is the profile's price (``RecomputePrices``), not a measured one. ``forward``,
+    ``grads`` and ``recompute_grads`` come from the profile's measured step (see
+    :func:`step_terms`); without one the tail is 0, and the model then predicts the
+    activation peak only.
     """
-    found = forward_levels(
-        profile, names, segments=segments, levels=levels, region_bytes=region_bytes
-    )
-    return [(name, item) for name, item, _ in found]
-
-
-def forward_levels(
-    profile: ModelProfile,
-    names: Sequence[str],
-    *,
-    segments: bool = False,
-    levels: bool = True,
-    region_bytes: int = 0,
-) -> List[Tuple[str, CostItem, Tuple[Level, ...]]]:
-    """:func:`forward_items`, with the selective levels behind each item's ``options``
-    (none without ``levels``, nor for a candidate called several times). Every time is
-    the profile's price (``RecomputePrices``), not a measured one."""
     costs = [profile[name] for name in names]
     prices = RecomputePrices(profile)
     order = sorted(range(len(costs)), key=lambda i: (costs[i].position < 0, costs[i].position, i))
@@ -820,25 +800,14 @@ def forward_levels(
         overheads=[prices.selective(cost.name) for cost, _ in pairs],
     ) if levels else [()] * len(pairs)
     found = [ours if cost.calls <= 1 else () for (cost, _), ours in zip(pairs, found)]
-    return [
-        (names[i], dataclasses.replace(item, options=tuple(level.option for level in ours)), ours)
+    ordered = [
+        (names[i], dataclasses.replace(item, options=tuple(level.option for level in ours)))
         for i, (_, item), ours in zip(order, pairs, found)
     ]
-
-
-def with_step_terms(
-    ordered: Sequence[Tuple[str, CostItem]], profile: ModelProfile
-) -> Tuple[List[Tuple[str, CostItem]], int]:
-    """``ordered`` (the solver's items in forward order) with ``forward``, ``grads`` and
-    ``recompute_grads`` from the profile's measured step (see ``_peak_model.step_terms``),
-    and the solver's ``tail``.
-
-    Without a measured step the items are returned as they are and the tail is 0: the
-    model then predicts the activation peak only.
-    """
+    levels_of = {name: ours for (name, _), ours in zip(ordered, found)}
     step = profile.step
     if step is None:
-        return list(ordered), 0
+        return ordered, levels_of, 0
     index = {name: i for i, (name, _) in enumerate(ordered)}
 
     def by_index(table: Any) -> Any:
@@ -848,4 +817,5 @@ def with_step_terms(
         [item for _, item in ordered], profile.base_bytes,
         by_index(step.forward), by_index(step.recompute), by_index(step.backward), step.end,
     )
-    return [(name, dataclasses.replace(item, **change)) for (name, item), change in zip(ordered, changes)], tail
+    ordered = [(name, dataclasses.replace(item, **change)) for (name, item), change in zip(ordered, changes)]
+    return ordered, levels_of, tail

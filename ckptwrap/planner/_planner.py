@@ -92,7 +92,7 @@ from ..measure import (
     tensors,
 )
 from ._device_memory import DeviceMemory, DeviceTerms
-from ._peak_model import CostItem, Level, forward_levels, predicted_peak, saving, with_step_terms
+from ._peak_model import CostItem, Level, predicted_peak, step_items
 from ._plan import BOUNDS, PlanEntry
 from ._shapes import LayoutCosts, Layouts, PlanSettings
 from ._solver import BudgetSolution, lowest_plan, resolve_budget, solve_budget
@@ -102,7 +102,6 @@ __all__ = [
     "Decision",
     "PlannedStep",
     "ShapePlanner",
-    "step_items",
 ]
 
 
@@ -241,24 +240,6 @@ class Choice:
     optimizer was given."""
 
 
-def step_items(
-    profile: ModelProfile,
-    names: Sequence[str],
-    *,
-    segments: bool = False,
-    levels: bool = False,
-    region_bytes: int = 0,
-) -> Tuple[List[Tuple[str, CostItem]], Dict[str, Tuple[Level, ...]], int]:
-    """The solver's items for ``names`` in forward order with the step's terms, the
-    selective levels behind each one's options, and the solver's tail: what a plan is
-    solved on (see ``forward_levels`` for the arguments)."""
-    found = forward_levels(
-        profile, names, segments=segments, levels=levels, region_bytes=region_bytes
-    )
-    ordered, tail = with_step_terms([(name, item) for name, item, _ in found], profile)
-    return ordered, {name: ours for name, _, ours in found}, tail
-
-
 def plain_peak(profile: ModelProfile, names: Sequence[str], *, region_bytes: int = 0) -> int:
     """The predicted peak of the training step with none of ``names`` checkpointed."""
     ordered, _, tail = step_items(profile, names, segments=False, levels=False, region_bytes=region_bytes)
@@ -291,15 +272,11 @@ def choose(
     within it finds no plan for raises at once, ``strict`` or not.
     """
     names = [name for name, _ in candidates]
-    if budget is None:
-        ordered, levels_of, tail = step_items(
-            profile, [cost.name for cost in profile.modules], segments=False, levels=False,
-            region_bytes=region_bytes,
-        )
-    else:
-        ordered, levels_of, tail = step_items(
-            profile, names, segments=segments, levels=levels, region_bytes=region_bytes
-        )
+    solving = budget is not None
+    ordered, levels_of, tail = step_items(
+        profile, names if solving else [cost.name for cost in profile.modules],
+        segments=segments and solving, levels=levels and solving, region_bytes=region_bytes,
+    )
     items = [item for _, item in ordered]
     base = profile.base_bytes
     plain = predicted_peak(items, (), base=base, tail=tail)
@@ -337,6 +314,8 @@ def _entries(
     picked: Set[str],
     recompute: bool,
 ) -> Tuple[PlanEntry, ...]:
+    """The plan entries of the chosen candidates, each with how it is checkpointed and
+    what that is predicted to save and cost."""
     joins: Dict[str, str] = {}
     in_segments: Set[str] = set()
     for segment in solution.segments:
@@ -348,44 +327,27 @@ def _entries(
             name = ordered[index][0]
             chosen_levels[name] = levels_of[name][option - 1]
     by_name = dict(ordered)
-    return tuple(
-        _entry(name, kind, by_name[name], joins, in_segments, chosen_levels.get(name), recompute)
-        for name, kind in candidates
-        if name in picked
-    )
-
-
-def _entry(
-    name: str,
-    kind: str,
-    item: CostItem,
-    joins: Dict[str, str],
-    in_segments: Set[str],
-    level: Optional[Level],
-    recompute: bool,
-) -> PlanEntry:
-    """The plan entry of a chosen candidate, with how it is checkpointed and what that
-    is predicted to save and cost."""
-    if level is not None:
-        return PlanEntry(
-            name,
-            kind,
-            saved_bytes=item.kept - level.option.inputs,
-            recompute_time=level.option.time,
-            option=level.option.label,
-            saved_ops=level.instances,
-        )
-    option = None
-    if recompute:
-        option = "segment" if name in in_segments else "recompute"
-    return PlanEntry(
-        name,
-        kind,
-        saved_bytes=saving(item, name in joins),
-        recompute_time=item.time,
-        joins=joins.get(name),
-        option=option,
-    )
+    entries = []
+    for name, kind in candidates:
+        if name not in picked:
+            continue
+        item, level = by_name[name], chosen_levels.get(name)
+        if level is not None:
+            entries.append(PlanEntry(
+                name, kind, saved_bytes=item.kept - level.option.inputs, recompute_time=level.option.time,
+                option=level.option.label, saved_ops=level.instances,
+            ))
+            continue
+        option = None
+        if recompute:
+            option = "segment" if name in in_segments else "recompute"
+        # In a segment after its first module it saves all it keeps and its input;
+        # otherwise what it keeps beyond what its region keeps.
+        saved = item.kept + (item.joins or 0) if name in joins else item.kept - item.inputs
+        entries.append(PlanEntry(
+            name, kind, saved_bytes=saved, recompute_time=item.time, joins=joins.get(name), option=option,
+        ))
+    return tuple(entries)
 
 
 _CACHED = 64
@@ -450,9 +412,6 @@ class NothingNeeded:
     def forget(self, costs_id: int) -> None:
         for key in [key for key in self._found if key[0] == costs_id]:
             del self._found[key]
-
-    def clear(self) -> None:
-        self._found.clear()
 
 
 class PlanCache:
@@ -521,8 +480,8 @@ class BudgetReading:
             try:
                 declared = costs.layout.declared(self.max_shapes)
             except CheckpointConfigError:
-                declared = None
-            if declared is not None:
+                pass
+            else:
                 self.reference = max(self.reference, self._plain_at(costs.profile_at(declared)))
         if self.device.in_terms:
             return self.device.step_budget()
@@ -623,11 +582,6 @@ class ShapePlanner:
         through saved-tensor hooks (off after a measured step whose backward never came:
         a graph dropped unused keeps what such hooks hold)."""
 
-    @property
-    def reference(self) -> int:
-        """The largest un-checkpointed peak planned for so far."""
-        return self.reading.reference
-
     def __getstate__(self) -> Dict[str, Any]:
         # A loss function often cannot pickle: left out, the steps measured on example
         # inputs after unpickling use the default loss.
@@ -679,17 +633,15 @@ class ShapePlanner:
         args: Tuple[Any, ...],
         kwargs: Dict[str, Any],
         *,
-        device: Optional[torch.device] = None,
+        device: torch.device,
         fresh: Callable[[], bool] = lambda: True,
     ) -> Decision:
         """What the training forward on these inputs runs under, on ``device`` (where the
-        step allocates; read from the inputs and the model by default). ``fresh()``: the
-        step starts from no parameter gradients (only such a step is checked). Metering
-        a step on an accelerator costs nothing (its peak statistics): every one is checked
-        there."""
+        step allocates). ``fresh()``: the step starts from no parameter gradients (only
+        such a step is checked). Metering a step on an accelerator costs nothing (its peak
+        statistics): every one is checked there."""
         self._schedule.step()
         self._take_in()
-        device = step_device(model, args, kwargs) if device is None else device
         self.device.before_step(model, device, fresh, args, kwargs)
         costs, sizes = self._layouts.of(args, kwargs)
         if self._previous != (id(costs), sizes):
@@ -805,10 +757,6 @@ class ShapePlanner:
         elif decision.choice is not None:
             self._schedule.timed(seconds, checked=decision.metered, size=math.prod(decision.sizes))
 
-    def _step_abandoned(self, decision: Decision) -> None:
-        """A measuring step ended without a backward."""
-        self.watch_base = False
-
     def _step_checked(self, decision: Decision, peak: int, exact: bool = True) -> None:
         """The step of ``decision`` peaked at ``peak`` bytes (its meter's reading; an upper
         bound of it where not ``exact``)."""
@@ -818,7 +766,7 @@ class ShapePlanner:
         # Above the prediction, beyond what the plan kept free for such misses, as a share
         # of the largest un-checkpointed peak planned for: a miss at a short batch, far
         # below the budget, is not taken as that share of every longer batch.
-        plain = max(choice.plain_peak, self.reference, 1)
+        plain = max(choice.plain_peak, self.reading.reference, 1)
         share = (peak - choice.predicted_peak - decision.margin * choice.plain_peak) / plain
         if not exact and share > _MISS:
             # An accelerator's peak not raised by the step, and above the prediction: the
@@ -1091,7 +1039,7 @@ class PlannedStep:
         self.ended = True
         if self.recorder is not None:
             self.recorder.abandon(why)
-            self.planner._step_abandoned(self.decision)
+            self.planner.watch_base = False
         elif self.meter is not None:
             self.meter.stop()
 

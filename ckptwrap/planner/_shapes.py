@@ -355,10 +355,8 @@ def read_layout(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> InputLayout:
         else:
             described.append((type(leaf).__name__,))
     roots: List[Any] = []
-    for position, value in enumerate(args):
-        roots += [position] * len(tree_flatten(value)[0])
-    for name, value in sorted(kwargs.items()):
-        roots += [name] * len(tree_flatten(value)[0])
+    for root, value in [*enumerate(args), *sorted(kwargs.items())]:
+        roots += [root] * len(tree_flatten(value)[0])
     return InputLayout(spec, tuple(described), tuple(variables), tuple(roots))
 
 
@@ -385,12 +383,8 @@ def _length_axes(tensor: torch.Tensor, flat_only: bool) -> range:
     return range(0)
 
 
-def _ordered(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
-    return tuple(args), dict(sorted(kwargs.items()))
-
-
 def _flat(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Tuple[str, List[Any]]:
-    leaves, spec = tree_flatten(_ordered(args, kwargs))
+    leaves, spec = tree_flatten((tuple(args), dict(sorted(kwargs.items()))))
     return str(spec), leaves
 
 
@@ -599,23 +593,24 @@ class CostFit:
         profiles = [profile for _, profile in samples]
         self.points = points
         self.powers: Form = form if form is not None else basis(self.names, points, batched)
-        _check_alike(profiles)
+        first = _shape_of(profiles[0])
+        if any(_shape_of(profile) != first for profile in profiles[1:]):
+            raise ShapesDiffer("the model called other candidates, or called them otherwise, at another shape")
         lined_up = _ops_lined_up(profiles)
         self.template = _without_ops(profiles[-1], lined_up)
         flat = [_flatten(profile, lined_up) for profile in profiles]
         self.keys = sorted(set.intersection(*(set(row[0]) for row in flat)))
         values = [[float(row[0][key]) for row in flat] for key in self.keys]
         self._ints, residual = fit_columns(self.powers, points, values)
-        self.residual = dict(zip(self.keys, residual))
         # What the allocator held beyond a phase's counted moments is a difference of two
         # peaks: smooth where it is a workspace that grows with the shape, a step where
         # the allocator's peak falls elsewhere at some shapes. Where no polynomial follows
-        # it, its largest seen.
-        self._steady = {
-            key: int(max(column))
-            for key, column, miss in zip(self.keys, values, residual)
+        # it, its largest seen (by its position among the fitted values).
+        self._steady_at = [
+            (position, int(max(column)))
+            for position, (key, column, miss) in enumerate(zip(self.keys, values, residual))
             if key.endswith("/over") and miss > max(_OVER_SLACK, _OVER_SHARE * abs(max(column)))
-        }
+        ]
         # Every run of moments that lines up across the profiles, fitted as columns of one
         # polynomial (one pass evaluates them all), with its columns' slice per key.
         self._slices: Dict[str, Tuple[int, int]] = {}
@@ -633,7 +628,6 @@ class CostFit:
         # evaluated at most new shapes a loop meets, and has hundreds of terms.
         at = {key: position for position, key in enumerate(self.keys)}
         self._counted = [position for position, key in enumerate(self.keys) if _counts(key)]
-        self._steady_at = [(at[key], value) for key, value in self._steady.items()]
         self._terms = [_Terms.of(cost, at) for cost in self.template.modules]
         self._others = [(key, position) for key, position in at.items() if key.partition("/")[0] in _OTHERS]
 
@@ -723,18 +717,15 @@ class CostFit:
         timings: Dict[str, _Timing] = {}
         for cost in self.template.modules:
             seen = [
-                (_work(profile[cost.name]), profile[cost.name].forward_time)
+                (_work(profile[cost.name].flops, profile[cost.name].created_bytes), profile[cost.name].forward_time)
                 for _, profile in samples
                 if cost.name in profile and profile[cost.name].forward_time > 0
             ]
             if not seen:
                 continue
-            works = {work for work, _ in seen}
-            if len(works) < 2:
+            if len({work for work, _ in seen}) < 2:
                 work, seconds = max(seen)
-                timings[cost.name] = _Timing(0.0, seconds / work if work > 0 else 0.0)
-                if work <= 0:
-                    timings[cost.name] = _Timing(seconds, 0.0)
+                timings[cost.name] = _Timing(0.0, seconds / work) if work > 0 else _Timing(seconds, 0.0)
                 continue
             design = torch.tensor([[1.0, work] for work, _ in seen], dtype=torch.float64)
             times = torch.tensor([[seconds] for _, seconds in seen], dtype=torch.float64)
@@ -761,7 +752,7 @@ class CostFit:
         fields["self_saved_input_bytes"] = min(fields["self_saved_input_bytes"], fields["input_bytes"])
         fields["call_kept_bytes"] = min(fields["call_kept_bytes"], fields["kept_bytes"])
         fields["handed_over_bytes"] = min(fields["handed_over_bytes"], fields["kept_bytes"])
-        work = _work_of(fields)
+        work = _work(fields["flops"], fields["created_bytes"])
         timing = self._timings.get(cost.name)
         seconds = cost.forward_time if timing is None else timing.seconds(work)
         # One construction per operator (a profile has hundreds: evaluated at every new shape).
@@ -836,12 +827,8 @@ def _counts(key: str) -> bool:
     return key.rpartition("/")[2] in _COUNT_FIELDS
 
 
-def _work_of(values: Mapping[str, Any]) -> float:
-    return float(values["flops"]) + _BYTES_PER_FLOP * float(values["created_bytes"])
-
-
-def _work(cost: ModuleCost) -> float:
-    return float(cost.flops) + _BYTES_PER_FLOP * float(cost.created_bytes)
+def _work(flops: Any, created_bytes: Any) -> float:
+    return float(flops) + _BYTES_PER_FLOP * float(created_bytes)
 
 
 def _shape_of(profile: ModelProfile) -> Tuple[Any, ...]:
@@ -857,13 +844,6 @@ def _shape_of(profile: ModelProfile) -> Tuple[Any, ...]:
         step.at_allocator,
     )
     return modules, phases
-
-
-def _check_alike(profiles: Sequence[ModelProfile]) -> None:
-    first = _shape_of(profiles[0])
-    for profile in profiles[1:]:
-        if _shape_of(profile) != first:
-            raise ShapesDiffer("the model called other candidates, or called them otherwise, at another shape")
 
 
 def _ops_lined_up(profiles: Sequence[ModelProfile]) -> Set[str]:
@@ -1018,7 +998,7 @@ class LayoutCosts:
         # to it (more samples, the same monomials) until it fails to predict one.
         self._form: Optional[Form] = None
         # The steps measured past the sizes it was fitted on that the form predicted, one
-        # after another: how far past them it stands (``_reach``).
+        # after another: how far past them it stands (``fits``).
         self._confirmed = 0
         # Evaluations of the current fit, by sizes (a loop meets a shape many times).
         self._fitted: Dict[Sizes, ModelProfile] = {}
@@ -1044,7 +1024,19 @@ class LayoutCosts:
 
     def fits(self, sizes: Sizes) -> bool:
         """Whether a trusted fit stands for ``sizes`` (measuring there teaches little)."""
-        return self.fit is not None and self.trusted and self.covers(sizes)
+        fit = self.fit
+        if fit is None or not self.trusted:
+            return False
+        covered = self._covered.get(sizes)
+        if covered is None:
+            # How far past the largest measured sizes the trusted fit stands (see the module).
+            reach = min(_REACH, 1 + (_EXTEND - 1) * 2 ** max(0, self._confirmed - 1))
+            covered = all(size <= largest * reach for size, largest in zip(sizes, _largest(fit.points)))
+            if covered:
+                leeway = fit.leeway(sizes)
+                covered = leeway is not None and leeway[0] <= _TRUST_UNDER and leeway[1] <= _TRUST_OVER
+            _remember(self._covered, sizes, covered)
+        return covered
 
     def profile_at(self, sizes: Sizes) -> ModelProfile:
         """The profile at ``sizes``: measured there, or else as :meth:`source_at` says,
@@ -1068,11 +1060,7 @@ class LayoutCosts:
         bound = self._bounded_at(sizes, above=_peak(found[0][1]) if found else None)
         if bound is not None:
             found.append(bound)
-        known = min(found, key=lambda pair: _peak(pair[1])) if found else None
-        self._known[sizes] = known
-        while len(self._known) > _EVALUATED:
-            del self._known[next(iter(self._known))]
-        return known
+        return _remember(self._known, sizes, min(found, key=lambda pair: _peak(pair[1])) if found else None)
 
     def _bounded_at(self, sizes: Sizes, above: Optional[int] = None) -> Optional[Tuple[str, ModelProfile]]:
         """Costs at ``sizes`` no lower than the real ones, from a measured shape: every
@@ -1103,41 +1091,13 @@ class LayoutCosts:
             single = self._single.get(point)
             if single is None:
                 single = self._single[point] = CostFit(names, [(point, self.profiles[point])])
-            found = self._scaled[(point, scale)] = single.profile_at(point, scale=scale)
-            while len(self._scaled) > _EVALUATED:
-                del self._scaled[next(iter(self._scaled))]
+            found = _remember(self._scaled, (point, scale), single.profile_at(point, scale=scale))
         return ("bounded" if any(growth == 1.0 for growth, _ in scaled) else "scaled"), found
 
     def _fitted_at(self, sizes: Sizes) -> ModelProfile:
         assert self.fit is not None
         found = self._fitted.get(sizes)
-        if found is None:
-            found = self._fitted[sizes] = self.fit.profile_at(sizes)
-            while len(self._fitted) > _EVALUATED:
-                del self._fitted[next(iter(self._fitted))]
-        return found
-
-    def covers(self, sizes: Sizes) -> bool:
-        """Whether a trusted fit stands for ``sizes``."""
-        fit = self.fit
-        if fit is None:
-            return False
-        known = self._covered.get(sizes)
-        if known is not None:
-            return known
-        reach = self._reach()
-        covered = all(size <= largest * reach for size, largest in zip(sizes, _largest(fit.points)))
-        if covered:
-            leeway = fit.leeway(sizes)
-            covered = leeway is not None and leeway[0] <= _TRUST_UNDER and leeway[1] <= _TRUST_OVER
-        self._covered[sizes] = covered
-        while len(self._covered) > _EVALUATED:
-            del self._covered[next(iter(self._covered))]
-        return covered
-
-    def _reach(self) -> float:
-        """How far past the largest measured sizes the trusted fit stands (see the module)."""
-        return min(_REACH, 1 + (_EXTEND - 1) * 2 ** max(0, self._confirmed - 1))
+        return found if found is not None else _remember(self._fitted, sizes, self.fit.profile_at(sizes))
 
     def widen(self, layout: InputLayout) -> None:
         """The layout, :meth:`InputLayout.widened` by inputs that gave some of its
@@ -1235,11 +1195,8 @@ class LayoutCosts:
                 del self.profiles[point]
 
     def _refit(self) -> None:
-        self._fitted.clear()
-        self._covered.clear()
-        self._known.clear()
-        self._single.clear()
-        self._scaled.clear()
+        for table in (self._fitted, self._covered, self._known, self._single, self._scaled):
+            table.clear()
         samples = list(self.profiles.items())
         names, batched = self.layout.names, self.layout.batched
         try:
@@ -1344,6 +1301,14 @@ def misses(predicted: ModelProfile, measured: ModelProfile) -> Tuple[float, floa
     under = max(0, max(real - mine for mine, real in pairs)) / scale
     over = max(0, max(mine - real for mine, real in pairs)) / scale
     return under, over
+
+
+def _remember(table: Dict[Any, Any], key: Any, value: Any) -> Any:
+    """``value``, kept in ``table`` under ``key`` among the ``_EVALUATED`` most recent."""
+    table[key] = value
+    while len(table) > _EVALUATED:
+        del table[next(iter(table))]
+    return value
 
 
 def _largest(points: Sequence[Sizes]) -> Sizes:

@@ -423,9 +423,6 @@ class _Search:
             position = start
         return sorted(groups), options
 
-    def _time(self, group: Group, option: int) -> float:
-        return math.fsum(self.times[i][option] for i in group)
-
     def refine(self, plan: _Plan) -> _Plan:
         """On a coarse axis, turn plain the costliest regions the exact peak does not need.
 
@@ -440,7 +437,7 @@ class _Search:
 
         def cost(group: Group) -> Tuple[float, int, Group]:
             option = options.get(group[0], 0)
-            return -self._time(group, option), -sum(items[i].kept for i in group), group
+            return -math.fsum(self.times[i][option] for i in group), -sum(items[i].kept for i in group), group
 
         kept, options, dropped = sorted(groups), dict(options), True
         while dropped:
@@ -739,7 +736,7 @@ def _least_budget(budget: object, lowest: int) -> int:
     """The least budget that reaches a step peak of ``lowest``: a device's whole memory
     for a budget in its terms, else the step's bytes."""
     if isinstance(budget, StepBudget):
-        return budget.total_for(lowest)
+        return budget.memory.whole_peak(lowest)
     return lowest
 
 

@@ -33,7 +33,6 @@ from ckptwrap.measure._costs import OpCost
 from ckptwrap.wrap._marks import apply_plan
 from ckptwrap.wrap._planning import plan_and_profile
 from ckptwrap.wrap._selective import SavedInstances
-from ckptwrap.planner._peak_model import with_step_terms
 
 from ._models import TinyGPT, assert_same, gpt_batch, gpt_loss, grads, make, marked, markings, step
 
@@ -227,7 +226,7 @@ def test_a_budget_between_a_level_and_keeping_chooses_the_level():
     model = make(TinyGPT)
     # The planner's own profile: with the measured training step, whose terms it adds.
     profile = profile_modules(model, ["h.1"], (_example(),), step=True)
-    [(_, item)], tail = with_step_terms(costs.forward_items(profile, ["h.1"], levels=True), profile)
+    [(_, item)], _, tail = costs.step_items(profile, ["h.1"], levels=True)
     assert item.options, "the block has levels to choose from"
     keep = predicted_peak([item], [], base=profile.base_bytes, tail=tail)
     peaks = [
