@@ -291,12 +291,6 @@ def merge_calls(so_far: Optional[List[OpCost]], call: List[OpCost], first: bool)
     ]
 
 
-_LOSS_OUTSIDE = 2
-"""A loss made outside the model's forward is not counted as it is made; it is taken to
-have held this many times the gradient it hands the model (a cross entropy's log-softmax
-and the gradient of it, beside the gradient itself)."""
-
-
 class Phase(NamedTuple):
     """One phase as the meter saw it; bytes are above what was allocated when the meter
     started."""
@@ -391,7 +385,7 @@ class PhaseMeter:
         """The backward reached the model with ``grad`` from a loss made outside it: count
         the gradient from now on, and what the loss is taken to have held at its highest."""
         if self._span is not None and not self.finished:
-            self._span.loss_outside(grad, _LOSS_OUTSIDE)
+            self._span.loss_outside(grad)
 
     def finish(self) -> None:
         """End the last phase and stop counting; nothing stays on any mode stack."""
@@ -657,10 +651,7 @@ def _generator_state_bytes() -> int:
     return torch.get_rng_state().untyped_storage().nbytes()
 
 
-_NO_DEFAULT: Any = dataclasses.MISSING
-
-
-def _term(kind: str, default: Any = _NO_DEFAULT) -> Any:
+def _term(kind: str, default: Any = dataclasses.MISSING) -> Any:
     """A field of :class:`ModuleCost` and how a fit over input shapes takes it (see
     :meth:`ModuleCost.terms`)."""
     return dataclasses.field(default=default, metadata={"term": kind})

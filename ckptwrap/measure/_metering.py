@@ -136,12 +136,6 @@ def selective_cost() -> float:
 def _added_per_op(context: Callable[[], ContextManager[Any]]) -> float:
     """Seconds the context made by ``context()`` adds to one tiny CPU operator (read
     outside any dispatch mode in force, a fake step's included: it is kept per process)."""
-    with _torch_private.disable_current_modes():
-        return _timed_per_op(context)
-
-
-def _timed_per_op(context: Callable[[], ContextManager[Any]]) -> float:
-    x = torch.zeros(1)
 
     def work() -> float:
         start = time.perf_counter()
@@ -150,10 +144,12 @@ def _timed_per_op(context: Callable[[], ContextManager[Any]]) -> float:
             value = value + 1.0
         return time.perf_counter() - start
 
-    work()
-    plain = min(work() for _ in range(3))
-    with context():
-        inside = min(work() for _ in range(3))
+    with _torch_private.disable_current_modes():
+        x = torch.zeros(1)
+        work()
+        plain = min(work() for _ in range(3))
+        with context():
+            inside = min(work() for _ in range(3))
     return max(0.0, (inside - plain) / _CALIBRATION_OPS)
 
 
@@ -163,13 +159,8 @@ def _timed_per_op(context: Callable[[], ContextManager[Any]]) -> float:
 @dataclasses.dataclass(frozen=True)
 class OperatorRates:
     """What running operators costs in time on a kind of device: the terms a
-    recomputation is priced at from what it runs, not from how long it once took.
-
-    Example:
-        >>> rates = OperatorRates("toy", operator=1e-6, flops_per_second=1e9, bytes_per_second=1e9, selective=2e-6)
-        >>> rates.seconds(operators=10, flops=10**6, created_bytes=10**6)
-        0.00201
-    """
+    recomputation is priced at from what it runs (a fixed cost per operator, and their
+    work), not from how long it once took (see :func:`_priced`)."""
 
     name: str
     """What the rates are of, for messages."""
@@ -185,10 +176,6 @@ class OperatorRates:
     forward, or the recomputation)."""
     threaded: bool = False
     """Whether FLOPs run on torch's intra-op threads (the CPU): the rate is then per thread."""
-
-    def seconds(self, *, operators: int, flops: int, created_bytes: int) -> float:
-        """What running these operators takes: a fixed cost each, and their work."""
-        return operators * self.operator + flops / self.flop_rate() + created_bytes / self.bytes_per_second
 
     def flop_rate(self) -> float:
         """FLOPs per second at torch's thread count now."""
@@ -286,9 +273,7 @@ def _priced(cost: Any, rates: OperatorRates, flop_rate: float) -> Tuple[float, L
     """A candidate's price at ``rates``, each operator's, and the selective mode's."""
     calls = max(1, int(cost.calls))
     ops = cost.ops or ()
-    # Each operator entry stands for one call of it per call of the candidate. Written
-    # out, not through ``rates.seconds``: a profile has hundreds of operators, priced at
-    # every solve.
+    # Each operator entry stands for one call of it per call of the candidate.
     fixed, per_byte = calls * rates.operator, 1.0 / rates.bytes_per_second
     per_flop = 1.0 / flop_rate
     prices = [fixed + op.flops * per_flop + op.bytes * per_byte for op in ops]
@@ -524,8 +509,7 @@ class CallBook:
     def base_saved(self, tensor: torch.Tensor) -> None:
         """A tensor the forward saves outside every region: kept by a candidate called
         outside any region (the model itself, as a candidate), else by the base."""
-        for open_call in self.stack:
-            open_call.tally.add_tensors((tensor,))
+        self.saved(tensor)
         if not self.stack:
             self.base.add_tensors((tensor,))
 
@@ -789,10 +773,7 @@ class StepRecorder:
     def finish(self) -> Optional[ModelProfile]:
         """The step's backward has ended: the profile it gives, or None if the recording
         failed."""
-        self.done = True
-        self.forward_done(follow=False)
-        self.phases.finish()
-        self._remove_hooks()
+        self._stop()
         if self.failed is not None:
             return None
         try:
@@ -806,12 +787,9 @@ class StepRecorder:
         finished."""
         if self.done:
             return
-        self.done = True
         if self.failed is None:
             self.failed = why
-        self.forward_done(follow=False)
-        self.phases.finish()
-        self._remove_hooks()
+        self._stop()
 
     # ------------------------------------------------------------------ candidates' regions
 
@@ -908,18 +886,17 @@ class StepRecorder:
 
     def _saved(self, tensor: torch.Tensor) -> None:
         """A tensor an outermost region saves."""
-        if self.failed is None:
-            self._guarded(self._book.saved, tensor)
+        self._guarded(self._book.saved, tensor)
 
     def _base_pack(self, tensor: torch.Tensor) -> Any:
         """Note what the forward saves outside the candidates, and hand it on: packed by
-        the hooks in force, if any, else detached (as ``Tally.pack`` keeps it; autograd
-        gives it back its ``grad_fn`` when it unpacks it). Kept as it is, an operator's
-        own output saved by its node (``exp`` saves its result) would hold that node
-        through its ``grad_fn``: a cycle through C++ that no garbage collection breaks,
-        freed only if the backward runs the node. An output the loss never reads then
-        outlived the step, unlike unmetered (Wan's VAE: its posterior's ``std`` and
-        ``var``, and through them the moments they came from: 6,144 bytes)."""
+        the hooks in force, if any, else detached (autograd gives it back its ``grad_fn``
+        when it unpacks it). Kept as it is, an operator's own output saved by its node
+        (``exp`` saves its result) would hold that node through its ``grad_fn``: a cycle
+        through C++ that no garbage collection breaks, freed only if the backward runs the
+        node. An output the loss never reads then outlived the step, unlike unmetered
+        (Wan's VAE: its posterior's ``std`` and ``var``, and through them the moments they
+        came from: 6,144 bytes)."""
         # While a region saves its own inputs on entry, it is that region keeping them.
         if self.failed is None and saved_observer() is None and not is_recomputing():
             self._guarded(self._book.base_saved, tensor)
@@ -950,7 +927,11 @@ class StepRecorder:
     def _grad_accumulated(self, param: torch.Tensor) -> None:
         self._accumulated.append((self.phases.phase, param.nbytes))
 
-    def _remove_hooks(self) -> None:
+    def _stop(self) -> None:
+        """Stop following the step: the meter finished, every hook removed."""
+        self.done = True
+        self.forward_done(follow=False)
+        self.phases.finish()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

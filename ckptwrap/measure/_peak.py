@@ -482,7 +482,7 @@ class StorageCounter(TorchDispatchMode):
         created = False
         input_keys: Set[int] | None = None
         refs = self._refs
-        for leaf in (out,) if type(out) is torch.Tensor else _leaves(out):
+        for leaf in (out,) if type(out) is torch.Tensor else tensors(out):
             storage = self._storage_of(leaf)
             if storage is None:
                 continue
@@ -591,12 +591,11 @@ class StorageCounter(TorchDispatchMode):
     def _input_keys(self, args: Any, kwargs: Any) -> Set[int]:
         """Keys of the storages of every tensor among the operator's inputs."""
         keys = set()
-        for leaf in (*_leaves(args), *_leaves(kwargs)):
-            if isinstance(leaf, torch.Tensor):
-                try:
-                    keys.add(leaf.untyped_storage()._cdata)
-                except (RuntimeError, NotImplementedError, TypeError):
-                    pass
+        for leaf in (*tensors(args), *tensors(kwargs)):
+            try:
+                keys.add(leaf.untyped_storage()._cdata)
+            except (RuntimeError, NotImplementedError, TypeError):
+                pass
         return keys
 
 
@@ -660,10 +659,3 @@ def outputs_of(func: Any) -> Optional[bool]:
         return None
     aliased = {ret.alias_info is not None for ret in schema.returns}
     return None if len(aliased) > 1 else not aliased.pop()
-
-
-def _leaves(value: Any) -> Any:
-    """The tensors among an operator's arguments or outputs."""
-    if isinstance(value, torch.Tensor):
-        return (value,)
-    return tensors(value)

@@ -68,6 +68,11 @@ _IN_READING = 2  # inside another node's reading (a backward run inside a node)
 _INSIDE = 3  # a mode inside its function (no reading could be taken)
 _HANDED = 4  # counted by what it receives and returns alone
 
+_LOSS_OUTSIDE = 2
+"""A loss made outside the model's forward is not counted as it is made; it is taken to
+have held this many times the gradient it hands the model (a cross entropy's log-softmax
+and the gradient of it, beside the gradient itself)."""
+
 
 class _Running(NamedTuple):
     index: int
@@ -155,16 +160,16 @@ class StepSpan:
             self._handles.append(node.register_prehook(functools.partial(self._node_begins, index)))
             self._handles.append(node.register_hook(functools.partial(self._node_ends, index)))
 
-    def loss_outside(self, grad: torch.Tensor, share: int = 2) -> None:
+    def loss_outside(self, grad: torch.Tensor) -> None:
         """The backward reached the model with ``grad`` from a loss made outside the
-        count: a moment at ``share`` times its bytes above what is alive with it, for what
-        the loss is taken to have held at its highest (the gradient itself is counted
-        from the node that receives it on)."""
+        count: a moment at :data:`_LOSS_OUTSIDE` times its bytes above what is alive with
+        it, for what the loss is taken to have held at its highest (the gradient itself is
+        counted from the node that receives it on)."""
         counter = self.counter
         if self.closed or counter.closed:
             return
         self._gradients.outside = True
-        counter.moment((1 + share) * _extent(grad)[1])
+        counter.moment((1 + _LOSS_OUTSIDE) * _extent(grad)[1])
 
     def close(self) -> None:
         """Stop counting; unhook the graph."""

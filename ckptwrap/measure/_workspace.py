@@ -30,8 +30,10 @@ import threading
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 from .. import _torch_private
+from ._storages import tensors
 
 __all__ = ["end_reading", "may_hold", "run_held", "start_reading"]
 
@@ -95,15 +97,7 @@ many bytes of arguments; past it the fitted bound stands in."""
 
 def _fake_among(args: Any) -> bool:
     fake = _torch_private.fake_tensor
-    return fake is not None and any(isinstance(a, fake.tensor_class) for a in _flat_tensors(args))
-
-
-def _flat_tensors(value: Any) -> List[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _flat_tensors(v)]
-    return []
+    return fake is not None and any(isinstance(a, fake.tensor_class) for a in tensors(args))
 
 
 def _read_on_real(func: Any, args: Any, kwargs: Dict[str, Any]) -> Optional[int]:
@@ -111,24 +105,19 @@ def _read_on_real(func: Any, args: Any, kwargs: Dict[str, Any]) -> Optional[int]
     dtypes (a fake convolution allocates nothing, so a reading of it would say nothing, and
     kept under its signature it would stand for the real one); None where they would take
     more than :data:`_REAL_READING_BYTES`, or no reading can be taken."""
-    tensors = _flat_tensors(args)
-    if sum(t.numel() * t.element_size() for t in tensors) > _REAL_READING_BYTES:
+    if sum(t.numel() * t.element_size() for t in tensors(args)) > _REAL_READING_BYTES:
         return None
     fake = _torch_private.fake_tensor
     with fake.outside(), _torch_private.disable_current_modes(), torch.no_grad():  # type: ignore[union-attr]
-        real_args = _materialized(args)
+        real_args = tree_map_only(torch.Tensor, _materialized, args)
         out, held = _profiled(func, real_args, kwargs)
         del out, real_args
     return held
 
 
-def _materialized(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        real = torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=value.dtype, device="cpu")
-        return real.uniform_() if real.is_floating_point() else real.zero_()
-    if isinstance(value, (list, tuple)):
-        return type(value)(_materialized(v) for v in value)
-    return value
+def _materialized(value: torch.Tensor) -> torch.Tensor:
+    real = torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=value.dtype, device="cpu")
+    return real.uniform_() if real.is_floating_point() else real.zero_()
 
 
 def _signature(func: Any, args: Any, kwargs: Dict[str, Any]) -> Tuple[Any, ...]:
