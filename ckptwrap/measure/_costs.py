@@ -122,10 +122,6 @@ class OpCost:
         """``(op, occurrence)``: how a selective policy names this call."""
         return (self.op, self.occurrence)
 
-    def to_dict(self) -> Dict[str, Any]:
-        """The fields as a JSON-friendly dict."""
-        return dataclasses.asdict(self)
-
 
 Listener = Callable[[Any, Tuple[Any, ...], Dict[str, Any], Any], None]
 """Told an operator the phase meter counted: ``(func, args, kwargs, out)``."""

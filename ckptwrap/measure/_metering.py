@@ -311,9 +311,6 @@ def _rounded(value: float) -> float:
     return math.ldexp(round(mantissa * 64), exponent - 6)
 
 
-_NONE: StorageMap[None] = StorageMap()
-
-
 @dataclasses.dataclass
 class Record:
     """One candidate's :class:`ModuleCost` as its calls add up to it (``cost``), and what
@@ -383,12 +380,13 @@ class InputLedger:
         """Add the inputs of ``record``'s outermost call at ``position``, those of them
         the call saves itself (``saved``) as self-saved."""
         saved_here = StorageMap.of(saved)
+        counted_by_record = self._counted_by.setdefault(id(record), StorageMap())
         counted = saved_bytes = 0
         for tensor in inputs:
             for storage in tensor_storages(tensor):
-                if storage in self._excluded or storage in self._counted_by.get(id(record), _NONE):
+                if storage in self._excluded or storage in counted_by_record:
                     continue
-                self._counted_by.setdefault(id(record), StorageMap()).setdefault(storage, None)
+                counted_by_record.setdefault(storage, None)
                 owner = self._owner.get(storage)
                 if owner is None:
                     self._owner[storage] = (record, position)
@@ -436,7 +434,6 @@ def highest_each(known: Tuple[int, ...], new: Tuple[int, ...]) -> Tuple[int, ...
     if len(known) == len(new):
         return tuple(max(a, b) for a, b in zip(known, new))
     return new if max(new, default=0) > max(known, default=0) else known
-
 
 
 @dataclasses.dataclass
@@ -496,7 +493,7 @@ class CallBook:
         """A tensor there before the step (a model input; with ``state``, a parameter or
         buffer): its storages never count."""
         for storage in tensor_storages(tensor):
-            if state and storage not in self.state_storages:
+            if state:
                 self.state_storages.setdefault(storage, None)
             self.excluded.setdefault(storage, None)
 
@@ -738,8 +735,7 @@ class StepRecorder:
         saved-tensor hooks pushed here and popped by :meth:`forward_done`; they hand each
         tensor on unchanged (to the hooks already in force, if any)."""
         model = self.model
-        for tensor in [*model.parameters(), *model.buffers()]:
-            self._book.exclude(tensor, state=True)
+        self._book.gathered(model)
         for tensor in tensors((args, kwargs)):
             self._book.exclude(tensor)
         for name, module in self._nested:
@@ -1336,31 +1332,23 @@ class ProgressBar:
     Args:
         total: The number of steps that make a full bar.
         label: Text shown before the bar.
-        enabled: Whether to draw at all.
-        stream: Where to draw; standard error (looked up now, not at import) by default.
+        enabled: Whether to draw at all, on standard error (looked up now, not at import).
     """
 
-    def __init__(
-        self, total: int, *, label: str, enabled: bool, stream: Optional[TextIO] = None
-    ) -> None:
+    def __init__(self, total: int, *, label: str, enabled: bool) -> None:
         self._total = max(int(total), 0)
         self._label = label
         self._enabled = enabled
-        self._stream = sys.stderr if stream is None else stream
+        self._stream = sys.stderr
         self._done = 0
         self._start = time.perf_counter()
         self._last_draw = float("-inf")
         self._drawn: Optional[str] = None  # the line on screen now
 
-    @property
-    def done(self) -> int:
-        """Steps completed so far."""
-        return self._done
-
-    def update(self, steps: int = 1) -> None:
-        """Advance by ``steps`` (never past the total) and redraw if it is time to."""
-        self._done = min(self._done + steps, self._total)
-        if not self._enabled or steps <= 0:
+    def update(self) -> None:
+        """Advance by one step (never past the total) and redraw if it is time to."""
+        self._done = min(self._done + 1, self._total)
+        if not self._enabled:
             return
         now = time.perf_counter()
         if self._done >= self._total or now - self._last_draw >= _MIN_INTERVAL:
@@ -1373,12 +1361,6 @@ class ProgressBar:
             self._stream.write("\n")
             self._stream.flush()
         self._enabled = False
-
-    def __enter__(self) -> "ProgressBar":
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
     def _draw(self, now: float) -> None:
         filled = _WIDTH * self._done // self._total if self._total else _WIDTH
