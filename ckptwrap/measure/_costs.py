@@ -566,15 +566,11 @@ class StepPeaks:
     """Whether the peaks were read at the allocator (else operators' outputs only)."""
 
     def __post_init__(self) -> None:
-        # From JSON (``to_dict``), the moments come back as lists.
+        # From JSON (``ModelProfile.to_dict``), the moments come back as lists.
         moments = {
             key: tuple(tuple(int(v) for v in run) for run in runs) for key, runs in self.moments.items()
         }
         object.__setattr__(self, "moments", moments)
-
-    def to_dict(self) -> Dict[str, Any]:
-        """The fields as a JSON-friendly dict."""
-        return dataclasses.asdict(self)
 
 
 def by_phase(phases: List[Phase], at_allocator: bool) -> StepPeaks:
@@ -820,7 +816,7 @@ class ModelProfile:
             "modules": [cost.to_dict() for cost in self.modules],
             "total_activation_bytes": self.total_activation_bytes,
             "base_bytes": self.base_bytes,
-            "step": None if self.step is None else self.step.to_dict(),
+            "step": None if self.step is None else dataclasses.asdict(self.step),
             "priced_at": self.priced_at,
             "step_time": self.step_time,
         }

@@ -27,7 +27,7 @@ from __future__ import annotations
 import collections
 import functools
 import threading
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch.utils._pytree import tree_map_only
@@ -176,7 +176,7 @@ def _reading(profiler: Any, func: Any, args: Any, kwargs: Dict[str, Any]) -> Tup
         live, held = end_reading()
     # What it kept beyond its outputs (oneDNN's reordered weights, cached for the next
     # call of the same shape) is not held by later calls.
-    made = sum(t.untyped_storage().nbytes() for t in (out if isinstance(out, tuple) else (out,)) if isinstance(t, torch.Tensor))
+    made = sum(t.untyped_storage().nbytes() for t in tensors(out))
     return out, held - max(0, live - made)
 
 
@@ -221,20 +221,16 @@ def end_reading() -> Tuple[int, int]:
     return live, high
 
 
-_CONFIG: List[Any] = []
-
-
+@functools.lru_cache(maxsize=1)
 def _config(profiler: Any) -> Any:
     """The legacy profiler's configuration (made once: a reading is taken per node of a
     backward)."""
-    if not _CONFIG:
-        _CONFIG.append(profiler[2]())
-    return _CONFIG[0]
+    return profiler[2]()
 
 
 def _bound(name: str, args: Any, out: Any) -> int:
     """Its outputs, and the fitted share of what it reads and writes."""
-    made = sum(t.numel() * t.element_size() for t in (out if isinstance(out, tuple) else (out,)) if isinstance(t, torch.Tensor))
+    made = sum(t.numel() * t.element_size() for t in tensors(out))
     seen = (args[0], args[1], out) if name == "convolution" else (args[0], args[1], args[2])
     read = sum(t.numel() * t.element_size() for t in seen if isinstance(t, torch.Tensor))
     return made + int(_BOUND[name] * read)
