@@ -28,17 +28,14 @@ In this module, in order:
    autograd accumulate gradients out of place), one per node of the graph, at the most it
    held (``_span``'s ``StepSpan``). On accelerators each phase's peak is also read at the
    allocator (its peak statistics, reset at each cut), so that memory no operator returns
-   (a kernel's workspace) counts too; the matrix libraries' own workspaces, which the
-   device keeps from their first use to the end of the process, are made before the meter
+   (a kernel's workspace) counts too, the matrix libraries' own made before the meter
    starts (``ready_libraries``). On the CPU, which keeps no such statistics, the peak is
-   the moments' highest: a node's moment is read from the allocator's events on the
-   calling thread (torch's legacy profiler, which starts no profiler library), and where a
-   profiler of the caller's records there, it is what the node received and returned;
-   ``torch.profiler`` is never started, so a meter inside a training step disturbs
-   neither the caller's profiler nor another thread's. A step the meter follows may be
-   the user's own: started in the forward's pre-hook, left when the forward returns,
-   carried through the backward node by node, cut by the candidates as they run and are
-   recomputed, and finished where the backward ends, inside autograd's engine.
+   the moments' highest, a node's as ``_span`` reads it; ``torch.profiler`` is never
+   started, so a meter inside a training step disturbs neither the caller's profiler nor
+   another thread's. A step the meter follows may be the user's own: started in the
+   forward's pre-hook, left when the forward returns, carried through the backward node
+   by node, cut by the candidates as they run and are recomputed, and finished where the
+   backward ends, inside autograd's engine.
 3. **The step's memory** (:class:`StepPeaks`): what each phase reached beyond the
    activations the planner accounts for is the same under any plan: gradients flowing
    through, backward temporaries, parameter gradients accumulated so far, and whatever
@@ -192,7 +189,7 @@ class OpRecorder:
                     self.created_bytes += storage.nbytes()
                     # Autograd saves after the operator returns: the tally counts the
                     # storage then, and tells us through the claim.
-                    self._tally.claims[storage] = _Saved(entry)
+                    self._tally.claims[storage] = functools.partial(_mark_saved, entry)
         self._ops.append(entry)
 
     def ops(self) -> List[OpCost]:
@@ -200,16 +197,9 @@ class OpRecorder:
         return [OpCost(*entry[:5], mutated=entry[5], random=entry[6]) for entry in self._ops]
 
 
-class _Saved:
-    """A tally claim that marks an operator's entry as saved."""
-
-    __slots__ = ("_entry",)
-
-    def __init__(self, entry: List[Any]) -> None:
-        self._entry = entry
-
-    def __call__(self, nbytes: int) -> None:
-        self._entry[3] = True
+def _mark_saved(entry: List[Any], nbytes: int) -> None:
+    """A tally claim (with ``entry`` bound) that marks an operator's entry as saved."""
+    entry[3] = True
 
 
 def _written(func: Any, args: Any, kwargs: Dict[str, Any]) -> List[torch.Tensor]:

@@ -357,9 +357,10 @@ class InputLedger:
     embeddings, that every layer takes) is alive through the whole forward; held after
     it by an operator that saves it, it is counted once, in the base, from the first
     call that took it, and in no call's inputs. One no operator saves (a causal video
-    convolution's feature cache, which every block takes and the next chunk replaces)
-    is held after the forward only by checkpoints that took it: it stays in the first
-    call's inputs until something saves it. Another call of the same module taking one
+    convolution's feature cache, or a tensor a candidate's forward stores in a list every
+    call takes, which the next chunk replaces) is freed in a plain step once replaced, and
+    held after the forward only by checkpoints that took it: it stays in the first call's
+    inputs until something saves it. Another call of the same module taking one
     again (a mask every call of a shared layer takes) holds it no longer: counted in the
     first call's inputs only.
 
@@ -408,11 +409,7 @@ class InputLedger:
         if storage in self._base:
             return  # saved by that call or before it: counted in the base already
         # Taken by several calls is not yet held through the backward: a plain step holds
-        # it only if an operator saves it. One no operator saves (a causal convolution's
-        # feature cache, a tensor a candidate's forward stores in a list every call takes,
-        # replaced by the next chunk) is freed in a plain step once replaced, and held by
-        # the checkpoints that took it alone: it stays in the first call's inputs, and
-        # moves to the base only when something saves it (the base takes it).
+        # it only once an operator saves it (see the class).
         earlier = self._base.claims.pop(storage)
 
         def saved(nbytes: int) -> None:
@@ -988,12 +985,13 @@ def measure_inputs(
     fake: bool = False,
 ) -> ModelProfile:
     """One step on given inputs, measured (see ``wrap``'s ``profile_modules``); the model
-    is left as it was, and :func:`is_measuring` is true while it runs. Every outermost candidate runs as a checkpointed region through
-    ``run_region(module, call, args, kwargs, options)``, the marking layer's runner, so a
-    measured region runs as a plan's does (statistics kept, buffers replayed, caches
-    copied), told to the recorder. With ``train``, a model in eval mode is measured in train mode (dropout
-    on), as it will train. A model on the meta device or made of fake tensors, or any
-    with ``fake``, runs on fake tensors, its times priced at ``rates`` (``_unreal``).
+    is left as it was, and :func:`is_measuring` is true while it runs. Every outermost
+    candidate runs as a checkpointed region through ``run_region(module, call, args,
+    kwargs, options)``, the marking layer's runner, so a measured region runs as a plan's
+    does (statistics kept, buffers replayed, caches copied), told to the recorder. With
+    ``train``, a model in eval mode is measured in train mode (dropout on), as it will
+    train. A model on the meta device or made of fake tensors, or any with ``fake``, runs
+    on fake tensors, its times priced at ``rates`` (``_unreal``).
 
     Raises:
         CheckpointConfigError: If the recording failed (it says why), or a step on fake
