@@ -350,19 +350,15 @@ class PhaseMeter:
         if self._span is not None:
             self._span.leave()
 
-    def inside(self) -> Any:
-        """Count a block of the caller's own between forward and backward."""
-        assert self._span is not None
-        return self._span.inside()
-
     def follow(self, roots: Any) -> None:
         """Count the backward from ``roots`` node by node."""
         if self._span is not None and not self.finished:
             self._span.follow(roots)
 
     def counting(self) -> Any:
-        """Count a forward run inside the backward (a region's recomputation) operator by
-        operator, as the forward was (``StepSpan.counting``)."""
+        """Count a forward run inside the backward (a region's recomputation), or a block
+        of the caller's own between forward and backward, operator by operator, as the
+        forward was (``StepSpan.counting``)."""
         if self._span is None or self.finished:
             return contextlib.nullcontext()
         return self._span.counting()

@@ -1055,7 +1055,7 @@ def _measure(
             # the loop people write around a model that returns its loss (``out =
             # model(**batch); out.loss.backward()``): logits and caches count. With one,
             # as in ``loss_fn(model(x)).backward()``, only what the loss keeps does.
-            with recorder.phases.inside():
+            with recorder.phases.counting():
                 roots, grads = _loss(output if loss_fn is None else loss_fn(output))
             if loss_fn is not None:
                 del output
@@ -1077,7 +1077,7 @@ def _measure(
             elif roots and wanted:
                 # Returned, not accumulated: the caller's .grad fields stay as they were
                 # (but for FSDP2's, above).
-                with recorder.phases.inside() if under or sharded else contextlib.nullcontext():
+                with recorder.phases.counting() if under or sharded else contextlib.nullcontext():
                     if sharded:
                         _backward_keeping_grads(roots, grads, wanted, sharded)
                     else:

@@ -106,21 +106,12 @@ class StepSpan:
         _remove(self.counter)
 
     @contextlib.contextmanager
-    def inside(self) -> Iterator[None]:
-        """Count a block of the caller's own that runs between forward and backward."""
-        _push(self.counter)
-        try:
-            yield
-        finally:
-            _remove(self.counter)
-
-    @contextlib.contextmanager
     def counting(self) -> Iterator[None]:
-        """Count a forward run inside a node of the backward (a region's recomputation)
-        by storages, operator by operator, as the forward was: the counter is on the
-        stack for the block alone (a forward sums no gradient), and a reading open
-        around it goes on (its events hold what the operators hold beyond their
-        outputs)."""
+        """Count a forward run inside a node of the backward (a region's recomputation),
+        or a block of the caller's own between forward and backward, by storages,
+        operator by operator, as the forward was: the counter is on the stack for the
+        block alone (a forward sums no gradient), and a reading open around it goes on
+        (its events hold what the operators hold beyond their outputs)."""
         counter = self.counter
         running = self._nodes[-1] if self._nodes else None
         pushed = (
