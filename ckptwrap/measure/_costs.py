@@ -28,17 +28,14 @@ In this module, in order:
    autograd accumulate gradients out of place), one per node of the graph, at the most it
    held (``_span``'s ``StepSpan``). On accelerators each phase's peak is also read at the
    allocator (its peak statistics, reset at each cut), so that memory no operator returns
-   (a kernel's workspace) counts too; the matrix libraries' own workspaces, which the
-   device keeps from their first use to the end of the process, are made before the meter
+   (a kernel's workspace) counts too, the matrix libraries' own made before the meter
    starts (``ready_libraries``). On the CPU, which keeps no such statistics, the peak is
-   the moments' highest: a node's moment is read from the allocator's events on the
-   calling thread (torch's legacy profiler, which starts no profiler library), and where a
-   profiler of the caller's records there, it is what the node received and returned;
-   ``torch.profiler`` is never started, so a meter inside a training step disturbs
-   neither the caller's profiler nor another thread's. A step the meter follows may be
-   the user's own: started in the forward's pre-hook, left when the forward returns,
-   carried through the backward node by node, cut by the candidates as they run and are
-   recomputed, and finished where the backward ends, inside autograd's engine.
+   the moments' highest, a node's as ``_span`` reads it; ``torch.profiler`` is never
+   started, so a meter inside a training step disturbs neither the caller's profiler nor
+   another thread's. A step the meter follows may be the user's own: started in the
+   forward's pre-hook, left when the forward returns, carried through the backward node
+   by node, cut by the candidates as they run and are recomputed, and finished where the
+   backward ends, inside autograd's engine.
 3. **The step's memory** (:class:`StepPeaks`): what each phase reached beyond the
    activations the planner accounts for is the same under any plan: gradients flowing
    through, backward temporaries, parameter gradients accumulated so far, and whatever
@@ -122,10 +119,6 @@ class OpCost:
         """``(op, occurrence)``: how a selective policy names this call."""
         return (self.op, self.occurrence)
 
-    def to_dict(self) -> Dict[str, Any]:
-        """The fields as a JSON-friendly dict."""
-        return dataclasses.asdict(self)
-
 
 Listener = Callable[[Any, Tuple[Any, ...], Dict[str, Any], Any], None]
 """Told an operator the phase meter counted: ``(func, args, kwargs, out)``."""
@@ -196,7 +189,7 @@ class OpRecorder:
                     self.created_bytes += storage.nbytes()
                     # Autograd saves after the operator returns: the tally counts the
                     # storage then, and tells us through the claim.
-                    self._tally.claims[storage] = _Saved(entry)
+                    self._tally.claims[storage] = functools.partial(_mark_saved, entry)
         self._ops.append(entry)
 
     def ops(self) -> List[OpCost]:
@@ -204,16 +197,9 @@ class OpRecorder:
         return [OpCost(*entry[:5], mutated=entry[5], random=entry[6]) for entry in self._ops]
 
 
-class _Saved:
-    """A tally claim that marks an operator's entry as saved."""
-
-    __slots__ = ("_entry",)
-
-    def __init__(self, entry: List[Any]) -> None:
-        self._entry = entry
-
-    def __call__(self, nbytes: int) -> None:
-        self._entry[3] = True
+def _mark_saved(entry: List[Any], nbytes: int) -> None:
+    """A tally claim (with ``entry`` bound) that marks an operator's entry as saved."""
+    entry[3] = True
 
 
 def _written(func: Any, args: Any, kwargs: Dict[str, Any]) -> List[torch.Tensor]:
@@ -291,12 +277,6 @@ def merge_calls(so_far: Optional[List[OpCost]], call: List[OpCost], first: bool)
     ]
 
 
-_LOSS_OUTSIDE = 2
-"""A loss made outside the model's forward is not counted as it is made; it is taken to
-have held this many times the gradient it hands the model (a cross entropy's log-softmax
-and the gradient of it, beside the gradient itself)."""
-
-
 class Phase(NamedTuple):
     """One phase as the meter saw it; bytes are above what was allocated when the meter
     started."""
@@ -370,19 +350,15 @@ class PhaseMeter:
         if self._span is not None:
             self._span.leave()
 
-    def inside(self) -> Any:
-        """Count a block of the caller's own between forward and backward."""
-        assert self._span is not None
-        return self._span.inside()
-
     def follow(self, roots: Any) -> None:
         """Count the backward from ``roots`` node by node."""
         if self._span is not None and not self.finished:
             self._span.follow(roots)
 
     def counting(self) -> Any:
-        """Count a forward run inside the backward (a region's recomputation) operator by
-        operator, as the forward was (``StepSpan.counting``)."""
+        """Count a forward run inside the backward (a region's recomputation), or a block
+        of the caller's own between forward and backward, operator by operator, as the
+        forward was (``StepSpan.counting``)."""
         if self._span is None or self.finished:
             return contextlib.nullcontext()
         return self._span.counting()
@@ -391,7 +367,7 @@ class PhaseMeter:
         """The backward reached the model with ``grad`` from a loss made outside it: count
         the gradient from now on, and what the loss is taken to have held at its highest."""
         if self._span is not None and not self.finished:
-            self._span.loss_outside(grad, _LOSS_OUTSIDE)
+            self._span.loss_outside(grad)
 
     def finish(self) -> None:
         """End the last phase and stop counting; nothing stays on any mode stack."""
@@ -576,15 +552,11 @@ class StepPeaks:
     """Whether the peaks were read at the allocator (else operators' outputs only)."""
 
     def __post_init__(self) -> None:
-        # From JSON (``to_dict``), the moments come back as lists.
+        # From JSON (``ModelProfile.to_dict``), the moments come back as lists.
         moments = {
             key: tuple(tuple(int(v) for v in run) for run in runs) for key, runs in self.moments.items()
         }
         object.__setattr__(self, "moments", moments)
-
-    def to_dict(self) -> Dict[str, Any]:
-        """The fields as a JSON-friendly dict."""
-        return dataclasses.asdict(self)
 
 
 def by_phase(phases: List[Phase], at_allocator: bool) -> StepPeaks:
@@ -657,10 +629,7 @@ def _generator_state_bytes() -> int:
     return torch.get_rng_state().untyped_storage().nbytes()
 
 
-_NO_DEFAULT: Any = dataclasses.MISSING
-
-
-def _term(kind: str, default: Any = _NO_DEFAULT) -> Any:
+def _term(kind: str, default: Any = dataclasses.MISSING) -> Any:
     """A field of :class:`ModuleCost` and how a fit over input shapes takes it (see
     :meth:`ModuleCost.terms`)."""
     return dataclasses.field(default=default, metadata={"term": kind})
@@ -833,7 +802,7 @@ class ModelProfile:
             "modules": [cost.to_dict() for cost in self.modules],
             "total_activation_bytes": self.total_activation_bytes,
             "base_bytes": self.base_bytes,
-            "step": None if self.step is None else self.step.to_dict(),
+            "step": None if self.step is None else dataclasses.asdict(self.step),
             "priced_at": self.priced_at,
             "step_time": self.step_time,
         }

@@ -136,12 +136,6 @@ def selective_cost() -> float:
 def _added_per_op(context: Callable[[], ContextManager[Any]]) -> float:
     """Seconds the context made by ``context()`` adds to one tiny CPU operator (read
     outside any dispatch mode in force, a fake step's included: it is kept per process)."""
-    with _torch_private.disable_current_modes():
-        return _timed_per_op(context)
-
-
-def _timed_per_op(context: Callable[[], ContextManager[Any]]) -> float:
-    x = torch.zeros(1)
 
     def work() -> float:
         start = time.perf_counter()
@@ -150,10 +144,12 @@ def _timed_per_op(context: Callable[[], ContextManager[Any]]) -> float:
             value = value + 1.0
         return time.perf_counter() - start
 
-    work()
-    plain = min(work() for _ in range(3))
-    with context():
-        inside = min(work() for _ in range(3))
+    with _torch_private.disable_current_modes():
+        x = torch.zeros(1)
+        work()
+        plain = min(work() for _ in range(3))
+        with context():
+            inside = min(work() for _ in range(3))
     return max(0.0, (inside - plain) / _CALIBRATION_OPS)
 
 
@@ -163,13 +159,8 @@ def _timed_per_op(context: Callable[[], ContextManager[Any]]) -> float:
 @dataclasses.dataclass(frozen=True)
 class OperatorRates:
     """What running operators costs in time on a kind of device: the terms a
-    recomputation is priced at from what it runs, not from how long it once took.
-
-    Example:
-        >>> rates = OperatorRates("toy", operator=1e-6, flops_per_second=1e9, bytes_per_second=1e9, selective=2e-6)
-        >>> rates.seconds(operators=10, flops=10**6, created_bytes=10**6)
-        0.00201
-    """
+    recomputation is priced at from what it runs (a fixed cost per operator, and their
+    work), not from how long it once took (see :func:`_priced`)."""
 
     name: str
     """What the rates are of, for messages."""
@@ -185,10 +176,6 @@ class OperatorRates:
     forward, or the recomputation)."""
     threaded: bool = False
     """Whether FLOPs run on torch's intra-op threads (the CPU): the rate is then per thread."""
-
-    def seconds(self, *, operators: int, flops: int, created_bytes: int) -> float:
-        """What running these operators takes: a fixed cost each, and their work."""
-        return operators * self.operator + flops / self.flop_rate() + created_bytes / self.bytes_per_second
 
     def flop_rate(self) -> float:
         """FLOPs per second at torch's thread count now."""
@@ -286,9 +273,7 @@ def _priced(cost: Any, rates: OperatorRates, flop_rate: float) -> Tuple[float, L
     """A candidate's price at ``rates``, each operator's, and the selective mode's."""
     calls = max(1, int(cost.calls))
     ops = cost.ops or ()
-    # Each operator entry stands for one call of it per call of the candidate. Written
-    # out, not through ``rates.seconds``: a profile has hundreds of operators, priced at
-    # every solve.
+    # Each operator entry stands for one call of it per call of the candidate.
     fixed, per_byte = calls * rates.operator, 1.0 / rates.bytes_per_second
     per_flop = 1.0 / flop_rate
     prices = [fixed + op.flops * per_flop + op.bytes * per_byte for op in ops]
@@ -324,9 +309,6 @@ def _rounded(value: float) -> float:
         return 0.0
     mantissa, exponent = math.frexp(value)
     return math.ldexp(round(mantissa * 64), exponent - 6)
-
-
-_NONE: StorageMap[None] = StorageMap()
 
 
 @dataclasses.dataclass
@@ -375,9 +357,10 @@ class InputLedger:
     embeddings, that every layer takes) is alive through the whole forward; held after
     it by an operator that saves it, it is counted once, in the base, from the first
     call that took it, and in no call's inputs. One no operator saves (a causal video
-    convolution's feature cache, which every block takes and the next chunk replaces)
-    is held after the forward only by checkpoints that took it: it stays in the first
-    call's inputs until something saves it. Another call of the same module taking one
+    convolution's feature cache, or a tensor a candidate's forward stores in a list every
+    call takes, which the next chunk replaces) is freed in a plain step once replaced, and
+    held after the forward only by checkpoints that took it: it stays in the first call's
+    inputs until something saves it. Another call of the same module taking one
     again (a mask every call of a shared layer takes) holds it no longer: counted in the
     first call's inputs only.
 
@@ -398,12 +381,13 @@ class InputLedger:
         """Add the inputs of ``record``'s outermost call at ``position``, those of them
         the call saves itself (``saved``) as self-saved."""
         saved_here = StorageMap.of(saved)
+        counted_by_record = self._counted_by.setdefault(id(record), StorageMap())
         counted = saved_bytes = 0
         for tensor in inputs:
             for storage in tensor_storages(tensor):
-                if storage in self._excluded or storage in self._counted_by.get(id(record), _NONE):
+                if storage in self._excluded or storage in counted_by_record:
                     continue
-                self._counted_by.setdefault(id(record), StorageMap()).setdefault(storage, None)
+                counted_by_record.setdefault(storage, None)
                 owner = self._owner.get(storage)
                 if owner is None:
                     self._owner[storage] = (record, position)
@@ -425,11 +409,7 @@ class InputLedger:
         if storage in self._base:
             return  # saved by that call or before it: counted in the base already
         # Taken by several calls is not yet held through the backward: a plain step holds
-        # it only if an operator saves it. One no operator saves (a causal convolution's
-        # feature cache, a tensor a candidate's forward stores in a list every call takes,
-        # replaced by the next chunk) is freed in a plain step once replaced, and held by
-        # the checkpoints that took it alone: it stays in the first call's inputs, and
-        # moves to the base only when something saves it (the base takes it).
+        # it only once an operator saves it (see the class).
         earlier = self._base.claims.pop(storage)
 
         def saved(nbytes: int) -> None:
@@ -451,7 +431,6 @@ def highest_each(known: Tuple[int, ...], new: Tuple[int, ...]) -> Tuple[int, ...
     if len(known) == len(new):
         return tuple(max(a, b) for a, b in zip(known, new))
     return new if max(new, default=0) > max(known, default=0) else known
-
 
 
 @dataclasses.dataclass
@@ -511,7 +490,7 @@ class CallBook:
         """A tensor there before the step (a model input; with ``state``, a parameter or
         buffer): its storages never count."""
         for storage in tensor_storages(tensor):
-            if state and storage not in self.state_storages:
+            if state:
                 self.state_storages.setdefault(storage, None)
             self.excluded.setdefault(storage, None)
 
@@ -524,8 +503,7 @@ class CallBook:
     def base_saved(self, tensor: torch.Tensor) -> None:
         """A tensor the forward saves outside every region: kept by a candidate called
         outside any region (the model itself, as a candidate), else by the base."""
-        for open_call in self.stack:
-            open_call.tally.add_tensors((tensor,))
+        self.saved(tensor)
         if not self.stack:
             self.base.add_tensors((tensor,))
 
@@ -754,8 +732,7 @@ class StepRecorder:
         saved-tensor hooks pushed here and popped by :meth:`forward_done`; they hand each
         tensor on unchanged (to the hooks already in force, if any)."""
         model = self.model
-        for tensor in [*model.parameters(), *model.buffers()]:
-            self._book.exclude(tensor, state=True)
+        self._book.gathered(model)
         for tensor in tensors((args, kwargs)):
             self._book.exclude(tensor)
         for name, module in self._nested:
@@ -789,10 +766,7 @@ class StepRecorder:
     def finish(self) -> Optional[ModelProfile]:
         """The step's backward has ended: the profile it gives, or None if the recording
         failed."""
-        self.done = True
-        self.forward_done(follow=False)
-        self.phases.finish()
-        self._remove_hooks()
+        self._stop()
         if self.failed is not None:
             return None
         try:
@@ -806,12 +780,9 @@ class StepRecorder:
         finished."""
         if self.done:
             return
-        self.done = True
         if self.failed is None:
             self.failed = why
-        self.forward_done(follow=False)
-        self.phases.finish()
-        self._remove_hooks()
+        self._stop()
 
     # ------------------------------------------------------------------ candidates' regions
 
@@ -908,18 +879,17 @@ class StepRecorder:
 
     def _saved(self, tensor: torch.Tensor) -> None:
         """A tensor an outermost region saves."""
-        if self.failed is None:
-            self._guarded(self._book.saved, tensor)
+        self._guarded(self._book.saved, tensor)
 
     def _base_pack(self, tensor: torch.Tensor) -> Any:
         """Note what the forward saves outside the candidates, and hand it on: packed by
-        the hooks in force, if any, else detached (as ``Tally.pack`` keeps it; autograd
-        gives it back its ``grad_fn`` when it unpacks it). Kept as it is, an operator's
-        own output saved by its node (``exp`` saves its result) would hold that node
-        through its ``grad_fn``: a cycle through C++ that no garbage collection breaks,
-        freed only if the backward runs the node. An output the loss never reads then
-        outlived the step, unlike unmetered (Wan's VAE: its posterior's ``std`` and
-        ``var``, and through them the moments they came from: 6,144 bytes)."""
+        the hooks in force, if any, else detached (autograd gives it back its ``grad_fn``
+        when it unpacks it). Kept as it is, an operator's own output saved by its node
+        (``exp`` saves its result) would hold that node through its ``grad_fn``: a cycle
+        through C++ that no garbage collection breaks, freed only if the backward runs the
+        node. An output the loss never reads then outlived the step, unlike unmetered
+        (Wan's VAE: its posterior's ``std`` and ``var``, and through them the moments they
+        came from: 6,144 bytes)."""
         # While a region saves its own inputs on entry, it is that region keeping them.
         if self.failed is None and saved_observer() is None and not is_recomputing():
             self._guarded(self._book.base_saved, tensor)
@@ -950,7 +920,11 @@ class StepRecorder:
     def _grad_accumulated(self, param: torch.Tensor) -> None:
         self._accumulated.append((self.phases.phase, param.nbytes))
 
-    def _remove_hooks(self) -> None:
+    def _stop(self) -> None:
+        """Stop following the step: the meter finished, every hook removed."""
+        self.done = True
+        self.forward_done(follow=False)
+        self.phases.finish()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -1011,12 +985,13 @@ def measure_inputs(
     fake: bool = False,
 ) -> ModelProfile:
     """One step on given inputs, measured (see ``wrap``'s ``profile_modules``); the model
-    is left as it was, and :func:`is_measuring` is true while it runs. Every outermost candidate runs as a checkpointed region through
-    ``run_region(module, call, args, kwargs, options)``, the marking layer's runner, so a
-    measured region runs as a plan's does (statistics kept, buffers replayed, caches
-    copied), told to the recorder. With ``train``, a model in eval mode is measured in train mode (dropout
-    on), as it will train. A model on the meta device or made of fake tensors, or any
-    with ``fake``, runs on fake tensors, its times priced at ``rates`` (``_unreal``).
+    is left as it was, and :func:`is_measuring` is true while it runs. Every outermost
+    candidate runs as a checkpointed region through ``run_region(module, call, args,
+    kwargs, options)``, the marking layer's runner, so a measured region runs as a plan's
+    does (statistics kept, buffers replayed, caches copied), told to the recorder. With
+    ``train``, a model in eval mode is measured in train mode (dropout on), as it will
+    train. A model on the meta device or made of fake tensors, or any with ``fake``, runs
+    on fake tensors, its times priced at ``rates`` (``_unreal``).
 
     Raises:
         CheckpointConfigError: If the recording failed (it says why), or a step on fake
@@ -1080,7 +1055,7 @@ def _measure(
             # the loop people write around a model that returns its loss (``out =
             # model(**batch); out.loss.backward()``): logits and caches count. With one,
             # as in ``loss_fn(model(x)).backward()``, only what the loss keeps does.
-            with recorder.phases.inside():
+            with recorder.phases.counting():
                 roots, grads = _loss(output if loss_fn is None else loss_fn(output))
             if loss_fn is not None:
                 del output
@@ -1102,7 +1077,7 @@ def _measure(
             elif roots and wanted:
                 # Returned, not accumulated: the caller's .grad fields stay as they were
                 # (but for FSDP2's, above).
-                with recorder.phases.inside() if under or sharded else contextlib.nullcontext():
+                with recorder.phases.counting() if under or sharded else contextlib.nullcontext():
                     if sharded:
                         _backward_keeping_grads(roots, grads, wanted, sharded)
                     else:
@@ -1355,31 +1330,23 @@ class ProgressBar:
     Args:
         total: The number of steps that make a full bar.
         label: Text shown before the bar.
-        enabled: Whether to draw at all.
-        stream: Where to draw; standard error (looked up now, not at import) by default.
+        enabled: Whether to draw at all, on standard error (looked up now, not at import).
     """
 
-    def __init__(
-        self, total: int, *, label: str, enabled: bool, stream: Optional[TextIO] = None
-    ) -> None:
+    def __init__(self, total: int, *, label: str, enabled: bool) -> None:
         self._total = max(int(total), 0)
         self._label = label
         self._enabled = enabled
-        self._stream = sys.stderr if stream is None else stream
+        self._stream = sys.stderr
         self._done = 0
         self._start = time.perf_counter()
         self._last_draw = float("-inf")
         self._drawn: Optional[str] = None  # the line on screen now
 
-    @property
-    def done(self) -> int:
-        """Steps completed so far."""
-        return self._done
-
-    def update(self, steps: int = 1) -> None:
-        """Advance by ``steps`` (never past the total) and redraw if it is time to."""
-        self._done = min(self._done + steps, self._total)
-        if not self._enabled or steps <= 0:
+    def update(self) -> None:
+        """Advance by one step (never past the total) and redraw if it is time to."""
+        self._done = min(self._done + 1, self._total)
+        if not self._enabled:
             return
         now = time.perf_counter()
         if self._done >= self._total or now - self._last_draw >= _MIN_INTERVAL:
@@ -1392,12 +1359,6 @@ class ProgressBar:
             self._stream.write("\n")
             self._stream.flush()
         self._enabled = False
-
-    def __enter__(self) -> "ProgressBar":
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
 
     def _draw(self, now: float) -> None:
         filled = _WIDTH * self._done // self._total if self._total else _WIDTH

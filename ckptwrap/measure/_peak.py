@@ -265,6 +265,7 @@ class StorageCounter(TorchDispatchMode):
     bytes, which later readings' frees take down.
 
     Attributes:
+        closed: Whether counting has stopped (:meth:`close`).
         peak_bytes: The highest count so far.
         created_bytes: Bytes of every storage counted, freed or not.
         moments: With ``trace``, the live bytes after each operator that created storage.
@@ -274,7 +275,7 @@ class StorageCounter(TorchDispatchMode):
 
     def __init__(self, device_type: str, *, trace: bool = False, workspaces: bool = False) -> None:
         super().__init__()
-        self._device_type = device_type
+        self.device_type = device_type
         self._trace = trace
         self._workspaces = workspaces
         self.moments: List[int] = []
@@ -289,7 +290,7 @@ class StorageCounter(TorchDispatchMode):
         self._freed: List[int] = []
         self._lock = threading.Lock()
         self._live = 0
-        self._closed = False
+        self.closed = False
         self.peak_bytes = 0
         self.ops = 0
         # The reading in progress (see ``open_reading``): its thread (None: no reading),
@@ -324,7 +325,7 @@ class StorageCounter(TorchDispatchMode):
         # Every operator of a metered step passes here: the common case is kept short.
         if kwargs is None:
             kwargs = {}
-        if self._closed:
+        if self.closed:
             return func(*args, **kwargs)
         self.ops += 1
         # (Inside a reading of the allocator's events, they hold the operator's workspace.)
@@ -345,16 +346,6 @@ class StorageCounter(TorchDispatchMode):
         return super().__exit__(exc_type, exc_value, traceback)
 
     @property
-    def closed(self) -> bool:
-        """Whether counting has stopped (:meth:`close`)."""
-        return self._closed
-
-    @property
-    def device_type(self) -> str:
-        """The type of the device whose storages are counted."""
-        return self._device_type
-
-    @property
     def live_bytes(self) -> int:
         """Bytes of the storages counted that are alive now."""
         with self._lock:
@@ -366,7 +357,7 @@ class StorageCounter(TorchDispatchMode):
         """Stop counting (operators met afterwards run through uncounted). Storages that
         outlive the count must not call back into it, and dropping them now lets this
         object be freed before they are."""
-        self._closed = True
+        self.closed = True
         _unfollow_resizes(self)
         if self._table_kept:
             self._table_kept = False
@@ -386,7 +377,7 @@ class StorageCounter(TorchDispatchMode):
         they are freed, as if an operator had made them: tensors made outside the
         dispatcher (a generator's state, the gradients a node of a backward receives and
         returns). With ``moment`` (and ``trace``), a moment after them if any was new."""
-        if self._closed:
+        if self.closed:
             return
         created = self._count_outputs(True, tensor, (), {})
         if created and moment and self._trace:
@@ -396,7 +387,7 @@ class StorageCounter(TorchDispatchMode):
     def hold(self, nbytes: int) -> None:
         """Bytes the caller follows by other means were allocated (or, negative, freed):
         the count goes up (or down) by them."""
-        if self._closed or not nbytes:
+        if self.closed or not nbytes:
             return
         with self._lock:
             if nbytes > 0:
@@ -409,7 +400,7 @@ class StorageCounter(TorchDispatchMode):
         """A moment at the bytes alive now (the end of a stretch counted by what it was
         handed, see :meth:`adopt`), or ``above`` them (what is known to have been held
         briefly on top)."""
-        if not self._closed:
+        if not self.closed:
             live = self.live_bytes
             with self._lock:
                 self._peak_at(live + above)
@@ -425,7 +416,7 @@ class StorageCounter(TorchDispatchMode):
         """Read the allocator's events on this thread from now until :meth:`close_reading`
         (on the CPU, where no profiler records on this thread); False where none can be
         taken: the code is then counted by the storages it is handed alone."""
-        if self._closed or self._device_type != "cpu" or self._reading_thread is not None:
+        if self.closed or self.device_type != "cpu" or self._reading_thread is not None:
             return False
         start = self.live_bytes
         with self._lock:
@@ -482,7 +473,7 @@ class StorageCounter(TorchDispatchMode):
         created = False
         input_keys: Set[int] | None = None
         refs = self._refs
-        for leaf in (out,) if type(out) is torch.Tensor else _leaves(out):
+        for leaf in (out,) if type(out) is torch.Tensor else tensors(out):
             storage = self._storage_of(leaf)
             if storage is None:
                 continue
@@ -541,12 +532,12 @@ class StorageCounter(TorchDispatchMode):
         no dispatch mode sees: FSDP2 frees a layer's all-gathered parameters so, and
         allocates them again): a storage counted takes its new size; one not counted that
         grows (made before the block, empty) is counted from now, as if made."""
-        if self._closed:
+        if self.closed:
             return
         with self._lock:
             counted = self._refs.get(storage._cdata)
             if counted is None:
-                if nbytes <= 0 or storage.device.type not in (self._device_type, "meta"):
+                if nbytes <= 0 or storage.device.type not in (self.device_type, "meta"):
                     return
                 ref = _Counted(storage, self._on_release)
                 ref.key, ref.nbytes, ref.reported = storage._cdata, 0, self._table_kept
@@ -578,7 +569,7 @@ class StorageCounter(TorchDispatchMode):
         """The storage behind ``value`` if it is a dense tensor on the measured device."""
         if not isinstance(value, torch.Tensor):
             return None
-        on_device = value.is_cpu if self._device_type == "cpu" else value.device.type == self._device_type
+        on_device = value.is_cpu if self.device_type == "cpu" else value.device.type == self.device_type
         if not on_device:
             return None
         try:
@@ -591,12 +582,11 @@ class StorageCounter(TorchDispatchMode):
     def _input_keys(self, args: Any, kwargs: Any) -> Set[int]:
         """Keys of the storages of every tensor among the operator's inputs."""
         keys = set()
-        for leaf in (*_leaves(args), *_leaves(kwargs)):
-            if isinstance(leaf, torch.Tensor):
-                try:
-                    keys.add(leaf.untyped_storage()._cdata)
-                except (RuntimeError, NotImplementedError, TypeError):
-                    pass
+        for leaf in (*tensors(args), *tensors(kwargs)):
+            try:
+                keys.add(leaf.untyped_storage()._cdata)
+            except (RuntimeError, NotImplementedError, TypeError):
+                pass
         return keys
 
 
@@ -660,10 +650,3 @@ def outputs_of(func: Any) -> Optional[bool]:
         return None
     aliased = {ret.alias_info is not None for ret in schema.returns}
     return None if len(aliased) > 1 else not aliased.pop()
-
-
-def _leaves(value: Any) -> Any:
-    """The tensors among an operator's arguments or outputs."""
-    if isinstance(value, torch.Tensor):
-        return (value,)
-    return tensors(value)

@@ -68,6 +68,11 @@ _IN_READING = 2  # inside another node's reading (a backward run inside a node)
 _INSIDE = 3  # a mode inside its function (no reading could be taken)
 _HANDED = 4  # counted by what it receives and returns alone
 
+_LOSS_OUTSIDE = 2
+"""A loss made outside the model's forward is not counted as it is made; it is taken to
+have held this many times the gradient it hands the model (a cross entropy's log-softmax
+and the gradient of it, beside the gradient itself)."""
+
 
 class _Running(NamedTuple):
     index: int
@@ -101,21 +106,12 @@ class StepSpan:
         _remove(self.counter)
 
     @contextlib.contextmanager
-    def inside(self) -> Iterator[None]:
-        """Count a block of the caller's own that runs between forward and backward."""
-        _push(self.counter)
-        try:
-            yield
-        finally:
-            _remove(self.counter)
-
-    @contextlib.contextmanager
     def counting(self) -> Iterator[None]:
-        """Count a forward run inside a node of the backward (a region's recomputation)
-        by storages, operator by operator, as the forward was: the counter is on the
-        stack for the block alone (a forward sums no gradient), and a reading open
-        around it goes on (its events hold what the operators hold beyond their
-        outputs)."""
+        """Count a forward run inside a node of the backward (a region's recomputation),
+        or a block of the caller's own between forward and backward, by storages,
+        operator by operator, as the forward was: the counter is on the stack for the
+        block alone (a forward sums no gradient), and a reading open around it goes on
+        (its events hold what the operators hold beyond their outputs)."""
         counter = self.counter
         running = self._nodes[-1] if self._nodes else None
         pushed = (
@@ -155,16 +151,16 @@ class StepSpan:
             self._handles.append(node.register_prehook(functools.partial(self._node_begins, index)))
             self._handles.append(node.register_hook(functools.partial(self._node_ends, index)))
 
-    def loss_outside(self, grad: torch.Tensor, share: int = 2) -> None:
+    def loss_outside(self, grad: torch.Tensor) -> None:
         """The backward reached the model with ``grad`` from a loss made outside the
-        count: a moment at ``share`` times its bytes above what is alive with it, for what
-        the loss is taken to have held at its highest (the gradient itself is counted
-        from the node that receives it on)."""
+        count: a moment at :data:`_LOSS_OUTSIDE` times its bytes above what is alive with
+        it, for what the loss is taken to have held at its highest (the gradient itself is
+        counted from the node that receives it on)."""
         counter = self.counter
         if self.closed or counter.closed:
             return
         self._gradients.outside = True
-        counter.moment((1 + share) * _extent(grad)[1])
+        counter.moment((1 + _LOSS_OUTSIDE) * _extent(grad)[1])
 
     def close(self) -> None:
         """Stop counting; unhook the graph."""

@@ -21,7 +21,6 @@ __all__ = [
     "Tally",
     "differentiable",
     "policy_listener",
-    "saving",
     "tensor_storages",
     "tensors",
 ]
@@ -110,9 +109,6 @@ class StorageMap(Generic[_V]):
 
     def __contains__(self, storage: torch.UntypedStorage) -> bool:
         return storage._cdata in self._entries
-
-    def __len__(self) -> int:
-        return len(self._entries)
 
     def __setitem__(self, storage: torch.UntypedStorage, value: _V) -> None:
         self._entries[storage._cdata] = (StorageWeakRef(storage), value)
@@ -206,22 +202,6 @@ class Tally:
     def shared_bytes(self, other: "Tally") -> int:
         """Bytes of the storages counted both here and in ``other``."""
         return sum(self._seen.shared_values(other._seen))
-
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A saved-tensors pack hook for a forward that is measured, never differentiated:
-        note the storage and keep it alive as autograd would.
-
-        The tensor is kept detached. Kept as it is, an operator's own output saved by its
-        node would hold that node through its ``grad_fn``: a cycle through C++ that no
-        garbage collection breaks, and the whole graph would outlive the measurement.
-        """
-        self.add_tensors((tensor,))
-        return tensor.detach()
-
-
-def saving(tally: Tally) -> torch.autograd.graph.saved_tensors_hooks:
-    """Saved-tensors hooks that note in ``tally`` what autograd saves, and save it as is."""
-    return torch.autograd.graph.saved_tensors_hooks(tally.pack, lambda tensor: tensor)
 
 
 class _PolicyTally:

@@ -1,6 +1,4 @@
-"""Steps that allocate nothing real and the rates they are timed at: where a step
-allocates (``step_device``), the fake-tensor step of a model on the meta device, and what
-a device computes and moves per second.
+"""Steps that allocate nothing real, and the rates they are timed at.
 
 Where a step allocates (``step_device``), and steps that allocate nothing real: a
 model on the meta device or made of fake tensors (``FakeTensorMode``), or any model asked
@@ -189,19 +187,15 @@ def cpu_rates() -> DeviceRates:
     dtype and a copy, each the best of a few runs (about 0.1 s, once per process). Read
     outside any dispatch mode: first asked inside a step on fake tensors, it would time
     fake kernels, and keep that for every later plan."""
-    with _torch_private.disable_current_modes():
-        return _timed_cpu_rates()
-
-
-def _timed_cpu_rates() -> DeviceRates:
     size = 384
     flops = {}
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
-        flops[dtype] = 2 * size**3 / _best(lambda: torch.mm(a, b))
-    source = torch.empty(1 << 21)  # 8 MiB: past the caches of most CPUs
-    target = torch.empty_like(source)
-    copy = _best(lambda: target.copy_(source))
+    with _torch_private.disable_current_modes():
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+            flops[dtype] = 2 * size**3 / _best(lambda: torch.mm(a, b))
+        source = torch.empty(1 << 21)  # 8 MiB: past the caches of most CPUs
+        target = torch.empty_like(source)
+        copy = _best(lambda: target.copy_(source))
     return DeviceRates("cpu", flops, 2 * source.numel() * source.element_size() / copy)
 
 
@@ -356,7 +350,8 @@ def _where_it_failed(error: BaseException) -> str:
 def _on_fake_tensors(model: nn.Module, args: Any, kwargs: Any, fake: Any) -> Iterator[Tuple[Any, Any, Any]]:
     """The fake mode of the step and its inputs as fake tensors; meanwhile every meta or
     real parameter and buffer of ``model`` is a fake tensor of its own (put back after)."""
-    mode = _mode_of(itertools.chain(tensors((args, kwargs)), model.parameters(), model.buffers()))
+    found = map(_fake_mode, itertools.chain(tensors((args, kwargs)), model.parameters(), model.buffers()))
+    mode = next((mode for mode in found if mode is not None), None)
     if mode is None:
         mode = fake.mode_class()
     # Real inputs stay real (their values decide a mask's shortcut, a check on the
@@ -479,14 +474,6 @@ def _fake_mode(tensor: torch.Tensor) -> Any:
                 found = _fake_mode(inner)
                 if found is not None:
                     return found
-    return None
-
-
-def _mode_of(found: Iterator[torch.Tensor]) -> Any:
-    for tensor in found:
-        mode = _fake_mode(tensor)
-        if mode is not None:
-            return mode
     return None
 
 

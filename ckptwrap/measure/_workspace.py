@@ -27,11 +27,13 @@ from __future__ import annotations
 import collections
 import functools
 import threading
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 from .. import _torch_private
+from ._storages import tensors
 
 __all__ = ["end_reading", "may_hold", "run_held", "start_reading"]
 
@@ -95,15 +97,7 @@ many bytes of arguments; past it the fitted bound stands in."""
 
 def _fake_among(args: Any) -> bool:
     fake = _torch_private.fake_tensor
-    return fake is not None and any(isinstance(a, fake.tensor_class) for a in _flat_tensors(args))
-
-
-def _flat_tensors(value: Any) -> List[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _flat_tensors(v)]
-    return []
+    return fake is not None and any(isinstance(a, fake.tensor_class) for a in tensors(args))
 
 
 def _read_on_real(func: Any, args: Any, kwargs: Dict[str, Any]) -> Optional[int]:
@@ -111,24 +105,19 @@ def _read_on_real(func: Any, args: Any, kwargs: Dict[str, Any]) -> Optional[int]
     dtypes (a fake convolution allocates nothing, so a reading of it would say nothing, and
     kept under its signature it would stand for the real one); None where they would take
     more than :data:`_REAL_READING_BYTES`, or no reading can be taken."""
-    tensors = _flat_tensors(args)
-    if sum(t.numel() * t.element_size() for t in tensors) > _REAL_READING_BYTES:
+    if sum(t.numel() * t.element_size() for t in tensors(args)) > _REAL_READING_BYTES:
         return None
     fake = _torch_private.fake_tensor
     with fake.outside(), _torch_private.disable_current_modes(), torch.no_grad():  # type: ignore[union-attr]
-        real_args = _materialized(args)
+        real_args = tree_map_only(torch.Tensor, _materialized, args)
         out, held = _profiled(func, real_args, kwargs)
         del out, real_args
     return held
 
 
-def _materialized(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        real = torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=value.dtype, device="cpu")
-        return real.uniform_() if real.is_floating_point() else real.zero_()
-    if isinstance(value, (list, tuple)):
-        return type(value)(_materialized(v) for v in value)
-    return value
+def _materialized(value: torch.Tensor) -> torch.Tensor:
+    real = torch.empty_strided(tuple(value.shape), tuple(value.stride()), dtype=value.dtype, device="cpu")
+    return real.uniform_() if real.is_floating_point() else real.zero_()
 
 
 def _signature(func: Any, args: Any, kwargs: Dict[str, Any]) -> Tuple[Any, ...]:
@@ -187,7 +176,7 @@ def _reading(profiler: Any, func: Any, args: Any, kwargs: Dict[str, Any]) -> Tup
         live, held = end_reading()
     # What it kept beyond its outputs (oneDNN's reordered weights, cached for the next
     # call of the same shape) is not held by later calls.
-    made = sum(t.untyped_storage().nbytes() for t in (out if isinstance(out, tuple) else (out,)) if isinstance(t, torch.Tensor))
+    made = sum(t.untyped_storage().nbytes() for t in tensors(out))
     return out, held - max(0, live - made)
 
 
@@ -232,20 +221,16 @@ def end_reading() -> Tuple[int, int]:
     return live, high
 
 
-_CONFIG: List[Any] = []
-
-
+@functools.lru_cache(maxsize=1)
 def _config(profiler: Any) -> Any:
     """The legacy profiler's configuration (made once: a reading is taken per node of a
     backward)."""
-    if not _CONFIG:
-        _CONFIG.append(profiler[2]())
-    return _CONFIG[0]
+    return profiler[2]()
 
 
 def _bound(name: str, args: Any, out: Any) -> int:
     """Its outputs, and the fitted share of what it reads and writes."""
-    made = sum(t.numel() * t.element_size() for t in (out if isinstance(out, tuple) else (out,)) if isinstance(t, torch.Tensor))
+    made = sum(t.numel() * t.element_size() for t in tensors(out))
     seen = (args[0], args[1], out) if name == "convolution" else (args[0], args[1], args[2])
     read = sum(t.numel() * t.element_size() for t in seen if isinstance(t, torch.Tensor))
     return made + int(_BOUND[name] * read)
