@@ -30,9 +30,6 @@ from ._debug import OpRecorder, describe_ops
 
 __all__ = ["changed_input", "input_versions", "run_checkpointed"]
 
-# None on torch before 2.12: a region's inputs are saved through a no-op Function instead.
-_make_saved_tensor = _torch_private.make_saved_tensor
-
 _Meta = Tuple[torch.Size, torch.dtype, torch.device]
 
 
@@ -86,9 +83,9 @@ class _SavedInputs:
         self._versions: Optional[List[Tuple[torch.Tensor, int]]] = input_versions(tensors)
         self.changed: Optional[str] = None
         """The input the region's forward changed in place, described; None if none."""
-        if _make_saved_tensor is not None:
-            self._saved: Any = [_make_saved_tensor(t, is_output=False) for t in tensors]
-        else:
+        if _torch_private.make_saved_tensor is not None:
+            self._saved: Any = [_torch_private.make_saved_tensor(t, is_output=False) for t in tensors]
+        else:  # torch before 2.12
             self._saved = _save_through_function(tensors)
 
     def forward_done(self) -> None:
