@@ -7,9 +7,11 @@ own ``CheckpointError`` so code written against ``torch.utils.checkpoint`` keeps
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import torch.utils.checkpoint as _torch_checkpoint
+from torch import nn
 
 __all__ = ["CheckpointError", "CheckpointConfigError", "input_changed_error", "is_version_error"]
 
@@ -81,10 +83,6 @@ def _region_module(region: Any) -> Optional[Any]:
     """The module a checkpointed callable runs, where one is found: the callable itself, a
     bound method's object, a ``functools.partial``'s function or first argument, or what a
     callable object holds (a wrapper of any of these), a few levels deep."""
-    import functools
-
-    from torch import nn
-
     pending, seen = [region], 0
     while pending and seen < 8:
         current, seen = pending.pop(0), seen + 1

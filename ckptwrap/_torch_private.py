@@ -82,15 +82,9 @@ def _import(module: str) -> Any:
 
 # --- the non-re-entrant engine, on every unpack --------------------------------------
 
-def _no_graph_exec_group() -> None:
-    return None
-
-
 # Added with torch.utils.checkpoint.GraphExecGroup (pytorch#166536, November 2025: torch
 # 2.10 and later). Without it no GraphExecGroup can exist, so "no group" is exact.
-graph_exec_group: Callable[[], Any] = _lookup(
-    torch._C, "_get_graph_exec_group", _no_graph_exec_group
-)
+graph_exec_group: Callable[[], Any] = _lookup(torch._C, "_get_graph_exec_group", lambda: None)
 
 
 def _outside_backward() -> int:
@@ -180,13 +174,9 @@ is_checkpoint_valid: Callable[[], bool] = _lookup(
 )
 
 
-def _is_view_by_base(tensor: torch.Tensor) -> bool:
-    return getattr(tensor, "_base", None) is not None
-
-
 # Tensor._is_view: torch 1.x and later. Fallback: a view is a tensor with a base.
 tensor_is_view: Callable[[torch.Tensor], bool] = _lookup(
-    torch.Tensor, "_is_view", _is_view_by_base
+    torch.Tensor, "_is_view", lambda tensor: getattr(tensor, "_base", None) is not None
 )
 
 # --- device state captured at every region's forward -----------------------------------
@@ -381,11 +371,9 @@ def _saved_tensors_hooks_readers() -> Tuple[Callable[[], bool], Callable[[], Any
     """(enabled, top): whether saved-tensor hooks may run on the calling thread, and the
     innermost pair in force there (None if none)."""
     autograd = _import("torch._C._autograd")
-    enabled = getattr(autograd, "_saved_tensors_hooks_is_enabled", None)
-    top = getattr(autograd, "_top_saved_tensors_default_hooks", None)
+    enabled = _lookup(autograd, "_saved_tensors_hooks_is_enabled", None)
+    top = _lookup(autograd, "_top_saved_tensors_default_hooks", None)
     if enabled is None or top is None:
-        missing = "_saved_tensors_hooks_is_enabled" if enabled is None else "_top_saved_tensors_default_hooks"
-        _FELL_BACK.append(f"torch._C._autograd.{missing}")
         return (lambda: False), (lambda: None)
     return enabled, (lambda: top(False))
 

@@ -45,6 +45,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from .. import _torch_private
+from . import _tree
 
 __all__ = ["Job", "recomputation_lock", "schedule", "take"]
 
@@ -84,14 +85,7 @@ def _stream_module(kind: str) -> Optional[Any]:
     return module if all(hasattr(module, name) for name in needed) else None
 
 
-_SIDE: Dict[Tuple[str, int], Any] = {}
-
-
-def _side_stream(kind: str, module: Any, index: int) -> Any:
-    stream = _SIDE.get((kind, index))
-    if stream is None:
-        stream = _SIDE[(kind, index)] = module.Stream(device=index)
-    return stream
+_SIDE: Dict[Tuple[str, int], Any] = {}  # the worker's stream, by device module and index
 
 
 def schedule(
@@ -161,7 +155,9 @@ def _work(job: Job, ready: List[_Mark], run: Callable[..., None]) -> None:
         with contextlib.ExitStack() as stack:
             sides = []
             for module, index, event in ready:
-                side = _side_stream(module.__name__, module, index)
+                side = _SIDE.get((module.__name__, index))
+                if side is None:
+                    side = _SIDE[(module.__name__, index)] = module.Stream(device=index)
                 side.wait_event(event)
                 stack.enter_context(module.stream(side))
                 sides.append((module, index, side))
@@ -181,47 +177,37 @@ def _work(job: Job, ready: List[_Mark], run: Callable[..., None]) -> None:
 def _record_inputs(tree: Any, sides: Dict[int, Any]) -> None:
     """Tell the allocator that the side streams read the region's inputs, so that their
     memory is not reused while the worker's kernels may still read it."""
-    from ._tree import tensor_leaves
-
-    for tensor in tensor_leaves(tree):
+    for tensor in _tree.tensor_leaves(tree):
         if tensor.device.type != "cpu":
             side = sides.get(tensor.device.index if tensor.device.index is not None else 0)
             if side is not None:
                 tensor.record_stream(side)
 
 
-class _Worker:
-    """The one thread that recomputes regions ahead, fed by a queue."""
-
-    def __init__(self) -> None:
-        self.jobs: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._loop, name="ckptwrap-recompute-ahead", daemon=True)
-        self.thread.start()
-
-    def put(self, item: Any) -> None:
-        self.jobs.put(item)
-
-    def _loop(self) -> None:
-        while True:
-            job, ready, run = self.jobs.get()
-            try:
-                _work(job, ready, run)
-            finally:
-                job.done.set()
-                del job, ready, run
-
-
-_WORKER: Optional[_Worker] = None
+_WORKER: "Optional[queue.SimpleQueue[Any]]" = None
 _WORKER_LOCK = threading.Lock()
 
 
-def _worker() -> _Worker:
+def _worker() -> "queue.SimpleQueue[Any]":
+    """The queue of the one thread that recomputes regions ahead, started on first use."""
     global _WORKER
     if _WORKER is None:
         with _WORKER_LOCK:
             if _WORKER is None:
-                _WORKER = _Worker()
+                jobs: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+                threading.Thread(target=_loop, args=(jobs,), name="ckptwrap-recompute-ahead", daemon=True).start()
+                _WORKER = jobs
     return _WORKER
+
+
+def _loop(jobs: "queue.SimpleQueue[Any]") -> None:
+    while True:
+        job, ready, run = jobs.get()
+        try:
+            _work(job, ready, run)
+        finally:
+            job.done.set()
+            del job, ready, run
 
 
 def _after_fork() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, ContextManager, Optional, Sequence, Tuple, Union
 
 import torch
+import torch.utils.checkpoint
 
 from .. import _torch_private
 from .._errors import CheckpointConfigError
@@ -89,18 +90,17 @@ def checkpoint(
                 f"(got {names}). Pass them positionally, bind them with functools.partial, or "
                 f"use use_reentrant=False."
             )
-        if context_fn is not None or debug:
-            raise CheckpointConfigError(
-                "context_fn and debug=True need use_reentrant=False; the re-entrant engine "
-                "runs the forward without a graph and has nothing to hand them."
-            )
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     if torch.compiler.is_compiling():
-        return _compiled_checkpoint(
-            fn, args, kwargs, use_reentrant, preserve_rng_state, context_fn,
-            determinism_check, debug, early_stop,
-        )
+        options: dict = {"use_reentrant": use_reentrant, "preserve_rng_state": preserve_rng_state}
+        if not use_reentrant:
+            options.update(determinism_check=determinism_check, debug=debug)
+            if context_fn is not None:
+                options["context_fn"] = context_fn
+            if early_stop is not None:
+                options["early_stop"] = early_stop
+        return torch.utils.checkpoint.checkpoint(fn, *args, **options, **kwargs)
     if use_reentrant:
         return run_reentrant(fn, args, preserve_rng_state=preserve_rng_state)
     switched = _torch_private.checkpoint_debug_switch()
@@ -150,29 +150,11 @@ def check_options(
             f"context_fn must be a callable returning two context managers, or None; got "
             f"{context_fn!r}."
         )
-
-
-def _compiled_checkpoint(
-    fn: Callable[..., Any],
-    args: Tuple[Any, ...],
-    kwargs: Any,
-    use_reentrant: bool,
-    preserve_rng_state: bool,
-    context_fn: Optional[ContextFn],
-    determinism_check: str,
-    debug: bool,
-    early_stop: Optional[bool],
-) -> Any:
-    import torch.utils.checkpoint as torch_checkpoint
-
-    options: dict = {"use_reentrant": use_reentrant, "preserve_rng_state": preserve_rng_state}
-    if not use_reentrant:
-        options.update(determinism_check=determinism_check, debug=debug)
-        if context_fn is not None:
-            options["context_fn"] = context_fn
-        if early_stop is not None:
-            options["early_stop"] = early_stop
-    return torch_checkpoint.checkpoint(fn, *args, **options, **kwargs)
+    if use_reentrant and (context_fn is not None or debug):
+        raise CheckpointConfigError(
+            "context_fn and debug=True need use_reentrant=False; the re-entrant engine "
+            "runs the forward without a graph and has nothing to hand them."
+        )
 
 
 def checkpoint_sequential(
@@ -220,17 +202,15 @@ def checkpoint_sequential(
         )
     size = len(stages) // segments
     values: Tuple[Any, ...] = inputs
-    start = 0
-    for _ in range(segments - 1):
-        chunk = stages[start : start + size]
+    last = size * (segments - 1)
+    for start in range(0, last, size):
         values = _as_args(
             checkpoint(
-                _Chunk(chunk), *values,
+                _Chunk(stages[start : start + size]), *values,
                 use_reentrant=use_reentrant, preserve_rng_state=preserve_rng_state,
             )
         )
-        start += size
-    return _Chunk(stages[start:])(*values)
+    return _Chunk(stages[last:])(*values)
 
 
 def _stages_of(functions: Any) -> list:

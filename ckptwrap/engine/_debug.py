@@ -26,10 +26,9 @@ class OpRecorder(TorchDispatchMode):
         return super().__enter__()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func is _DETACH:  # the engine's own detaches would only add noise to the diff
-            return func(*args, **(kwargs or {}))
-        shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
-        self.ops.append(f"{func}{shapes}" if shapes else str(func))
+        if func is not _DETACH:  # the engine's own detaches would only add noise to the diff
+            shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
+            self.ops.append(f"{func}{shapes}" if shapes else str(func))
         return func(*args, **(kwargs or {}))
 
 

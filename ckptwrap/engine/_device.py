@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -63,24 +63,14 @@ def _set_rng(device_type: str, index: int, state: torch.Tensor) -> None:
         module.set_rng_state(state)
 
 
-class DeviceState:
+class DeviceState(NamedTuple):
     """What was in force when a region's forward started."""
 
-    __slots__ = ("cpu_rng", "device_rngs", "autocast", "autocast_cache", "device_context")
-
-    def __init__(
-        self,
-        cpu_rng: Optional[torch.Tensor],
-        device_rngs: List[Tuple[str, int, torch.Tensor]],
-        autocast: List[Tuple[str, bool, torch.dtype]],
-        autocast_cache: bool,
-        device_context: Any,
-    ) -> None:
-        self.cpu_rng = cpu_rng
-        self.device_rngs = device_rngs
-        self.autocast = autocast
-        self.autocast_cache = autocast_cache
-        self.device_context = device_context
+    cpu_rng: Optional[torch.Tensor]
+    device_rngs: List[Tuple[str, int, torch.Tensor]]
+    autocast: List[Tuple[str, bool, torch.dtype]]
+    autocast_cache: bool
+    device_context: Any
 
 
 def capture_device_state(devices: Sequence[_Device], *, preserve_rng_state: bool) -> DeviceState:
@@ -91,8 +81,7 @@ def capture_device_state(devices: Sequence[_Device], *, preserve_rng_state: bool
         if preserve_rng_state
         else []
     )
-    wanted = {"cpu"}
-    wanted.update(kind for kind, _ in devices)
+    wanted = {"cpu", *(kind for kind, _ in devices)}
     autocast = []
     for kind in ("cpu",) + _autocast_types():
         enabled = torch.is_autocast_enabled(kind)

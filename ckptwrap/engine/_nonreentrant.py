@@ -24,14 +24,11 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from .. import _torch_private
-from .._errors import CheckpointError, input_changed_error, is_version_error
+from .._errors import CheckpointConfigError, CheckpointError, input_changed_error, is_version_error
 from . import _ahead, _device, _state, _tree
 from ._debug import OpRecorder, describe_ops
 
 __all__ = ["changed_input", "input_versions", "run_checkpointed"]
-
-# None on torch before 2.12: a region's inputs are saved through a no-op Function instead.
-_make_saved_tensor = _torch_private.make_saved_tensor
 
 _Meta = Tuple[torch.Size, torch.dtype, torch.device]
 
@@ -74,22 +71,21 @@ class _SavedInputs:
     __slots__ = ("_items", "_spec", "_saved", "devices", "_versions", "changed")
 
     def __init__(self, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> None:
-        if kwargs or not all(_is_simple(a) for a in args):
+        if kwargs or not all(_tree.is_plain(a) for a in args):
             leaves, self._spec = _tree.flatten((args, kwargs))
         else:
             leaves, self._spec = list(args), None
-        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        tensors, self._items = _tree.split_tensors(leaves)
         # The accelerators whose RNG state the recomputation must replay.
         self.devices = _device.devices_of(tensors)
-        self._items = [_SLOT if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         # Held through the forward only: the region changing an input in place is named
         # when the recomputation finds it changed (see ``forward_done``).
         self._versions: Optional[List[Tuple[torch.Tensor, int]]] = input_versions(tensors)
         self.changed: Optional[str] = None
         """The input the region's forward changed in place, described; None if none."""
-        if _make_saved_tensor is not None:
-            self._saved: Any = [_make_saved_tensor(t, is_output=False) for t in tensors]
-        else:
+        if _torch_private.make_saved_tensor is not None:
+            self._saved: Any = [_torch_private.make_saved_tensor(t, is_output=False) for t in tensors]
+        else:  # torch before 2.12
             self._saved = _save_through_function(tensors)
 
     def forward_done(self) -> None:
@@ -100,16 +96,13 @@ class _SavedInputs:
 
     def restore(self) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
         if isinstance(self._saved, list):
-            tensors = iter([saved.unpack() for saved in self._saved])
+            tensors = [saved.unpack() for saved in self._saved]
         else:
-            tensors = iter(self._saved.grad_fn.saved_tensors[1:])  # after the anchor
-        leaves = [next(tensors) if item is _SLOT else item for item in self._items]
+            tensors = self._saved.grad_fn.saved_tensors[1:]  # after the anchor
+        leaves = _tree.merge_tensors(tensors, self._items)
         if self._spec is None:
             return tuple(leaves), {}
         return _tree.unflatten(leaves, self._spec)
-
-
-_SLOT = object()  # where a tensor goes back among a region's arguments
 
 
 class _SaveInputs(torch.autograd.Function):
@@ -153,10 +146,6 @@ def changed_input(versions: List[Tuple[torch.Tensor, int]]) -> Optional[str]:
     first = changed[0]
     more = f", and {len(changed) - 1} more" if len(changed) > 1 else ""
     return f"(a {str(first.dtype).replace('torch.', '')} tensor of shape {tuple(first.shape)}{more})"
-
-
-def _is_simple(value: Any) -> bool:
-    return value is None or isinstance(value, (torch.Tensor, int, float, bool, str))
 
 
 class _Frame:
@@ -410,13 +399,10 @@ def run_checkpointed(
     if context_fn is not None:
         forward_ctx, recompute_ctx = _contexts_from(context_fn)
     recorders = (OpRecorder(), OpRecorder()) if debug else None
+    forward_log, recompute_log = recorders or (contextlib.nullcontext(), contextlib.nullcontext())
 
     def replay(replay_args: Tuple[Any, ...], replay_kwargs: Dict[str, Any]) -> None:
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(_device.replayed(state))
-            stack.enter_context(recompute_ctx)
-            if recorders is not None:
-                stack.enter_context(recorders[1])
+        with _device.replayed(state), recompute_ctx, recompute_log:
             fn(*replay_args, **replay_kwargs)
 
     frame = _Frame(
@@ -430,8 +416,7 @@ def run_checkpointed(
         if observer is not None:  # regions entered inside this one report to no one
             stack.enter_context(_state.observe_saved(None))
         stack.enter_context(forward_ctx)
-        if recorders is not None:
-            stack.enter_context(recorders[0])
+        stack.enter_context(forward_log)
         output = fn(*args, **kwargs)
         completed = True
     inputs.forward_done()
@@ -461,8 +446,6 @@ def _contexts_from(
         and len(pair) == 2
         and all(hasattr(c, "__enter__") and hasattr(c, "__exit__") for c in pair)
     ):
-        from .._errors import CheckpointConfigError
-
         raise CheckpointConfigError(
             f"context_fn must return a tuple of two context managers (one for the forward, "
             f"one for the recomputation), got {pair!r}."

@@ -10,18 +10,6 @@ from ._api import check_options
 
 __all__ = ["CheckpointOptions", "options_from"]
 
-_FIELDS = (
-    "use_reentrant",
-    "preserve_rng_state",
-    "early_stop",
-    "determinism_check",
-    "context_fn",
-    "debug",
-    "recompute_ahead",
-)
-_CHECKPOINT_ARGUMENTS = _FIELDS[:-1]
-
-
 @dataclasses.dataclass(frozen=True)
 class CheckpointOptions:
     """How each marked region is checkpointed; every field is passed to ``checkpoint``."""
@@ -62,11 +50,6 @@ class CheckpointOptions:
                 "recompute_ahead=True needs use_reentrant=False: the re-entrant engine reruns "
                 "each region inside its own backward node, with nothing to run ahead of."
             )
-        if self.use_reentrant and (self.context_fn is not None or self.debug):
-            raise CheckpointConfigError(
-                "context_fn and debug=True need use_reentrant=False; the re-entrant engine "
-                "runs the forward without a graph and has nothing to hand them."
-            )
 
     def as_kwargs(self) -> Dict[str, Any]:
         """Every option, as keyword arguments (for ``wrap_model`` and ``checkpointed``)."""
@@ -76,6 +59,10 @@ class CheckpointOptions:
         """The options ``checkpoint`` takes; ``recompute_ahead`` is a context around it
         (:func:`ckptwrap.engine.recompute_ahead`)."""
         return {name: getattr(self, name) for name in _CHECKPOINT_ARGUMENTS}
+
+
+_FIELDS = tuple(field.name for field in dataclasses.fields(CheckpointOptions))
+_CHECKPOINT_ARGUMENTS = _FIELDS[:-1]  # all but recompute_ahead
 
 
 def options_from(given: Dict[str, Any], *, where: str) -> CheckpointOptions:

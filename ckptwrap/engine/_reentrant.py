@@ -27,19 +27,6 @@ from ._nonreentrant import changed_input, input_versions
 
 __all__ = ["graph_nodes", "reaches_reentrant", "run_reentrant"]
 
-_TENSOR = object()  # marks where a tensor goes among the non-tensor leaves of a structure
-
-
-def _split(leaves: List[Any]) -> Tuple[List[torch.Tensor], List[Any]]:
-    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-    rest = [_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-    return tensors, rest
-
-
-def _merge(tensors: Tuple[torch.Tensor, ...], rest: List[Any]) -> List[Any]:
-    supply = iter(tensors)
-    return [next(supply) if leaf is _TENSOR else leaf for leaf in rest]
-
 
 class _Region:
     """What the backward needs to rerun one region; filled in by the forward."""
@@ -49,19 +36,16 @@ class _Region:
         "changed",
     )
 
-    def __init__(self, fn: Callable[..., Any], arg_leaves: List[Any], arg_spec: Any) -> None:
+    def __init__(self, fn: Callable[..., Any], args: Tuple[Any, ...], arg_leaves: List[Any], arg_spec: Any) -> None:
         self.fn = fn
-        self.original_args: Tuple[Any, ...] = ()
-        self.arg_leaves = arg_leaves  # non-tensor leaves, _TENSOR where a tensor goes
+        self.original_args = args
+        self.arg_leaves = arg_leaves  # the other leaves, a marker where a tensor goes (_tree)
         self.arg_spec = arg_spec
         self.state: Optional[_device.DeviceState] = None
         self.out_spec: Any = None
         self.out_leaves: List[Any] = []  # same, for the output
         self.has_anchor = False
         self.changed: Optional[str] = None  # an input the forward changed in place, described
-
-    def call(self, tensors: Tuple[torch.Tensor, ...]) -> Any:
-        return self.fn(*_tree.unflatten(_merge(tensors, self.arg_leaves), self.arg_spec))
 
 
 class _ReentrantRegion(torch.autograd.Function):
@@ -86,7 +70,7 @@ class _ReentrantRegion(torch.autograd.Function):
             output = region.fn(*args)
         region.changed = changed_input(versions)
         leaves, region.out_spec = _tree.flatten(output)
-        out_tensors, region.out_leaves = _split(leaves)
+        out_tensors, region.out_leaves = _tree.split_tensors(leaves)
         constant = [not t.requires_grad for t in out_tensors]
         returned = _cut_from_graph(out_tensors, inputs)
         ctx.mark_non_differentiable(*[t for t, c in zip(returned, constant) if c])
@@ -114,8 +98,8 @@ class _ReentrantRegion(torch.autograd.Function):
             raise input_changed_error(region.fn, None, error) from error
         detached = tuple(t.detach().requires_grad_(t.requires_grad) for t in saved)
         with _device.replayed(region.state), torch.enable_grad(), _state.recomputing():
-            output = region.call(detached)
-        out_tensors = [t for t in _tree.tensor_leaves(output)]
+            output = region.fn(*_tree.unflatten(_tree.merge_tensors(detached, region.arg_leaves), region.arg_spec))
+        out_tensors = _tree.tensor_leaves(output)
         if len(out_tensors) != len(grads):
             raise CheckpointError(
                 f"The recomputation returned {len(out_tensors)} tensors but the forward returned "
@@ -176,9 +160,8 @@ def _cut_from_graph(
 def run_reentrant(fn: Callable[..., Any], args: Tuple[Any, ...], *, preserve_rng_state: bool) -> Any:
     """Run ``fn(*args)`` through the re-entrant Function and rebuild its output structure."""
     leaves, spec = _tree.flatten(args)
-    tensors, rest = _split(leaves)
-    region = _Region(fn, rest, spec)
-    region.original_args = args
+    tensors, rest = _tree.split_tensors(leaves)
+    region = _Region(fn, args, rest, spec)
     if not any(t.requires_grad for t in tensors):
         # The region may still use parameters that require grad; an anchor input that
         # requires grad lets their gradients flow. Outputs that depend on none of them
@@ -186,7 +169,7 @@ def run_reentrant(fn: Callable[..., Any], args: Tuple[Any, ...], *, preserve_rng
         region.has_anchor = True
         tensors.append(torch.empty((), requires_grad=True))
     out_tensors = _ReentrantRegion.apply(region, preserve_rng_state, *tensors)
-    return _tree.unflatten(_merge(out_tensors, region.out_leaves), region.out_spec)
+    return _tree.unflatten(_tree.merge_tensors(out_tensors, region.out_leaves), region.out_spec)
 
 
 def graph_nodes(roots: Sequence[torch.Tensor]) -> Iterator[Any]:

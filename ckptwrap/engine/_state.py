@@ -10,9 +10,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import weakref
-from typing import Any, Callable, Iterator, NamedTuple, Optional
+from typing import Any, Callable, ContextManager, Iterator, NamedTuple, Optional
 
 import torch
+
+from .._errors import CheckpointConfigError
 
 __all__ = [
     "early_stop_setting",
@@ -36,9 +38,7 @@ class Watch(NamedTuple):
     """Told of each tensor the engine itself keeps for the recomputation (the CPU
     generator's state it replays)."""
 
-_EARLY_STOP: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar(
-    "ckptwrap_early_stop", default=None
-)
+_EARLY_STOP: contextvars.ContextVar[bool] = contextvars.ContextVar("ckptwrap_early_stop", default=True)
 _RECOMPUTING: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "ckptwrap_recomputing", default=False
 )
@@ -52,6 +52,16 @@ _LAST_AHEAD: contextvars.ContextVar[Optional[Callable[[], Any]]] = contextvars.C
 _OBSERVER: contextvars.ContextVar[Optional[Watch]] = contextvars.ContextVar(
     "ckptwrap_saved_observer", default=None
 )
+
+
+@contextlib.contextmanager
+def _setting(var: contextvars.ContextVar, value: Any) -> Iterator[None]:
+    """``var`` set to ``value`` inside the block, put back in ``finally``."""
+    token = var.set(value)
+    try:
+        yield
+    finally:
+        var.reset(token)
 
 
 @contextlib.contextmanager
@@ -75,25 +85,17 @@ def set_checkpoint_early_stop(enable: bool) -> Iterator[None]:
         >>> y.sum().backward()
     """
     if not isinstance(enable, bool):
-        from .._errors import CheckpointConfigError
-
         raise CheckpointConfigError(
             f"set_checkpoint_early_stop expects True or False, got {enable!r} "
             f"({type(enable).__name__})."
         )
-    token = _EARLY_STOP.set(enable)
-    try:
+    with _setting(_EARLY_STOP, enable):
         yield
-    finally:
-        _EARLY_STOP.reset(token)
 
 
 def early_stop_setting(explicit: Optional[bool]) -> bool:
     """The early-stop choice for a checkpoint whose forward starts now."""
-    if explicit is not None:
-        return explicit
-    context_value = _EARLY_STOP.get()
-    return True if context_value is None else context_value
+    return explicit if explicit is not None else _EARLY_STOP.get()
 
 
 def is_recomputing() -> bool:
@@ -108,18 +110,12 @@ def is_recomputing() -> bool:
     return _RECOMPUTING.get()
 
 
-@contextlib.contextmanager
-def recomputing() -> Iterator[None]:
+def recomputing() -> ContextManager[None]:
     """Mark the enclosed code as a recomputation for :func:`is_recomputing`."""
-    token = _RECOMPUTING.set(True)
-    try:
-        yield
-    finally:
-        _RECOMPUTING.reset(token)
+    return _setting(_RECOMPUTING, True)
 
 
-@contextlib.contextmanager
-def observe_saved(observer: Optional[SavedObserver], kept: Optional[SavedObserver] = None) -> Iterator[None]:
+def observe_saved(observer: Optional[SavedObserver], kept: Optional[SavedObserver] = None) -> ContextManager[None]:
     """Report to ``observer`` every tensor that the forward of the next non-re-entrant
     region entered inside the block saves for backward: the tensors its placeholders stand
     for, before they are dropped; and to ``kept`` each tensor the engine keeps for that
@@ -128,11 +124,7 @@ def observe_saved(observer: Optional[SavedObserver], kept: Optional[SavedObserve
     a region would keep if it were not checkpointed watches through this; the region runs
     exactly as without it.
     """
-    token = _OBSERVER.set(None if observer is None else Watch(observer, kept))
-    try:
-        yield
-    finally:
-        _OBSERVER.reset(token)
+    return _setting(_OBSERVER, None if observer is None else Watch(observer, kept))
 
 
 def saved_observer() -> Optional[Watch]:
@@ -141,16 +133,11 @@ def saved_observer() -> Optional[Watch]:
     return _OBSERVER.get()
 
 
-@contextlib.contextmanager
-def recompute_ahead(enable: bool = True) -> Iterator[None]:
+def recompute_ahead(enable: bool = True) -> ContextManager[None]:
     """Regions whose forward runs inside the block (at top level) are recomputed ahead:
     while backward differentiates one of them, the one entered before it is recomputed in
     a worker thread, on a side stream (see ``_ahead``)."""
-    token = _AHEAD.set(enable)
-    try:
-        yield
-    finally:
-        _AHEAD.reset(token)
+    return _setting(_AHEAD, enable)
 
 
 def link_ahead(frame: Any) -> Optional[Callable[[], Any]]:
@@ -164,11 +151,6 @@ def link_ahead(frame: Any) -> Optional[Callable[[], Any]]:
     return previous
 
 
-@contextlib.contextmanager
-def in_region() -> Iterator[None]:
+def in_region() -> ContextManager[None]:
     """Mark a region's forward as running, so regions entered inside it are not linked."""
-    token = _IN_REGION.set(True)
-    try:
-        yield
-    finally:
-        _IN_REGION.reset(token)
+    return _setting(_IN_REGION, True)

@@ -15,7 +15,7 @@ import torch
 
 from .. import _torch_private
 
-__all__ = ["flatten", "unflatten", "tensor_leaves"]
+__all__ = ["flatten", "is_plain", "merge_tensors", "split_tensors", "tensor_leaves", "unflatten"]
 
 _Spec = Any  # None for a leaf, else (rebuild, [child specs])
 
@@ -48,11 +48,13 @@ def flatten(obj: Any) -> Tuple[List[Any], _Spec]:
     return leaves, spec
 
 
+def is_plain(value: Any) -> bool:
+    """Whether ``value`` is a leaf that is never looked into: a tensor, None or a scalar."""
+    return value is None or isinstance(value, (torch.Tensor, int, float, bool, str))
+
+
 def _flatten_into(obj: Any, leaves: List[Any]) -> _Spec:
-    if isinstance(obj, torch.Tensor) or obj is None or isinstance(obj, (int, float, str, bool)):
-        leaves.append(obj)
-        return None
-    split = _children(obj)
+    split = None if is_plain(obj) else _children(obj)
     if split is None:
         leaves.append(obj)
         return None
@@ -62,9 +64,7 @@ def _flatten_into(obj: Any, leaves: List[Any]) -> _Spec:
 
 def unflatten(leaves: Sequence[Any], spec: _Spec) -> Any:
     """Rebuild the structure described by ``spec`` from ``leaves`` (the inverse of ``flatten``)."""
-    iterator = iter(leaves)
-    result = _unflatten_from(iterator, spec)
-    return result
+    return _unflatten_from(iter(leaves), spec)
 
 
 def _unflatten_from(iterator: Any, spec: _Spec) -> Any:
@@ -80,3 +80,20 @@ def tensor_leaves(obj: Any) -> List[torch.Tensor]:
         return [obj]
     leaves, _ = flatten(obj)
     return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+
+_TENSOR = object()  # marks where a tensor goes among the other leaves of a structure
+
+
+def split_tensors(leaves: List[Any]) -> Tuple[List[torch.Tensor], List[Any]]:
+    """The tensors among ``leaves``, and the leaves with a marker in place of each."""
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    rest = [_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
+    return tensors, rest
+
+
+def merge_tensors(tensors: Sequence[torch.Tensor], rest: List[Any]) -> List[Any]:
+    """The leaves again, with ``tensors`` in place of the markers (the inverse of
+    :func:`split_tensors`)."""
+    supply = iter(tensors)
+    return [next(supply) if leaf is _TENSOR else leaf for leaf in rest]

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import ckptwrap
+from ckptwrap import _torch_private
 from ckptwrap.engine import _nonreentrant
 
 from test_differential import *  # noqa: F401,F403  (collected again under the fixture below)
@@ -20,7 +21,7 @@ from test_nesting import *  # noqa: F401,F403
 
 @pytest.fixture(autouse=True)
 def _inputs_saved_through_a_function(monkeypatch):
-    monkeypatch.setattr(_nonreentrant, "_make_saved_tensor", None)
+    monkeypatch.setattr(_torch_private, "make_saved_tensor", None)
 
 
 def test_the_function_path_is_the_one_taken(monkeypatch):
