@@ -81,15 +81,7 @@ def checkpoint(
             f"got {_describe(fn)}. Pass the function first and its inputs after it: "
             f"checkpoint(fn, *args)."
         )
-    check_options(use_reentrant, preserve_rng_state, context_fn, determinism_check, debug, early_stop)
-    if use_reentrant:
-        if kwargs:
-            names = ", ".join(repr(name) for name in kwargs)
-            raise CheckpointConfigError(
-                f"use_reentrant=True cannot pass keyword arguments to the checkpointed function "
-                f"(got {names}). Pass them positionally, bind them with functools.partial, or "
-                f"use use_reentrant=False."
-            )
+    check_options(use_reentrant, preserve_rng_state, context_fn, determinism_check, debug, early_stop, kwargs)
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     if torch.compiler.is_compiling():
@@ -125,7 +117,11 @@ def check_options(
     determinism_check: Any,
     debug: Any,
     early_stop: Any,
+    keywords: Sequence[str] = (),
 ) -> None:
+    """Refuse an option of a value not allowed, and what the re-entrant engine cannot take
+    (``keywords``: the names of keyword arguments for the checkpointed function), in the
+    order ``torch.utils.checkpoint`` refuses them."""
     for name, value in (
         ("use_reentrant", use_reentrant),
         ("preserve_rng_state", preserve_rng_state),
@@ -149,6 +145,13 @@ def check_options(
         raise CheckpointConfigError(
             f"context_fn must be a callable returning two context managers, or None; got "
             f"{context_fn!r}."
+        )
+    if use_reentrant and keywords:
+        names = ", ".join(repr(name) for name in keywords)
+        raise CheckpointConfigError(
+            f"use_reentrant=True cannot pass keyword arguments to the checkpointed function "
+            f"(got {names}). Pass them positionally, bind them with functools.partial, or "
+            f"use use_reentrant=False."
         )
     if use_reentrant and (context_fn is not None or debug):
         raise CheckpointConfigError(
