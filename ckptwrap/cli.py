@@ -25,9 +25,9 @@ from ._cli_ranks import RankPlan, beyond_reach, parse_ranks, plan_ranks, shardin
 from ._errors import CheckpointConfigError, CheckpointError
 from ._frontier import Point, frontier_candidates, pareto_points
 from .diagnostics import main as doctor_main
-from .planner import OPTIMIZERS, format_bytes
+from .planner import OPTIMIZERS, Plan, format_bytes
 from .policy import Budget, as_policy, split_modifiers
-from .wrap import Plan, plan_and_profile, profile_modules
+from .wrap import plan_and_profile, profile_modules
 
 __all__ = ["main"]
 

@@ -36,8 +36,9 @@ from typing import Any, Dict, Literal, Mapping, Optional, Set, Tuple
 from torch import nn
 
 from ._errors import CheckpointConfigError
+from .engine import CheckpointOptions
 from .policy import as_policy
-from .wrap import CheckpointOptions, wrap_model
+from .wrap import wrap_model
 
 __all__ = [
     "ENV_VAR",

@@ -18,7 +18,7 @@ from torch import nn
 import ckptwrap
 from ckptwrap import config, wrap_model
 from ckptwrap._errors import CheckpointConfigError
-from ckptwrap.wrap import CheckpointOptions
+from ckptwrap.engine import CheckpointOptions
 
 
 class Layer(nn.Module):

@@ -6,15 +6,11 @@ from ._forwards import markings_of
 from ._model import PLAN_ATTRIBUTE, remove_pending, unwrap_model, wrap_model
 from ._planning import plan, plan_and_profile, profile_modules
 from ._region import disabled
-from ..engine import CheckpointOptions
-from ..planner import Plan
 from ._wrapper import CheckpointWrapper
 
 __all__ = [
     "PLAN_ATTRIBUTE",
-    "CheckpointOptions",
     "CheckpointWrapper",
-    "Plan",
     "checkpointed",
     "disabled",
     "markings_of",

@@ -12,7 +12,7 @@ from torch import nn
 import ckptwrap
 from ckptwrap import CheckpointWrapper, checkpointed, plan, unwrap_model, wrap_model
 from ckptwrap._errors import CheckpointConfigError
-from ckptwrap.wrap import CheckpointOptions
+from ckptwrap.engine import CheckpointOptions
 
 from ._models import (
     Block,
