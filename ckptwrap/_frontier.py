@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ._errors import CheckpointConfigError
-from .policy import Blocks, Intersection, Policy, as_policy, split_modifiers
+from .policy import Blocks, Policy, as_policy, split_modifiers, split_terms
 from .planner import CostItem, predicted_peak, smallest_reachable_peak, solve_budget, step_items
 from .measure import ModelProfile, region_bytes, step_device
 from .wrap import plan, profile_modules
@@ -110,13 +110,9 @@ def frontier_candidates(model: nn.Module, policy: str, *, nested: bool = False) 
 
 
 def _candidate_policy(policy: Policy) -> Policy:
-    """What the frontier chooses among: the policy's set terms, else the blocks."""
-    rest = split_modifiers(policy)[0]
-    if isinstance(rest, Intersection):
-        sets = rest.sets
-    else:
-        # A lone picker (every:2) picks among the blocks; anything else names modules.
-        sets = () if rest._is_picker else (rest,)
+    """What the frontier chooses among: the policy's set terms, else the blocks (among
+    which a lone picker, every:2, picks)."""
+    sets = split_terms(split_modifiers(policy)[0])[0]
     return functools.reduce(operator.and_, sets) if sets else Blocks()
 
 

@@ -4,7 +4,7 @@ A policy selects qualified module names from a model; the marking layer (``wrap_
 decides what to do with them. See :func:`parse_policy` for the string form.
 """
 
-from ._base import Complement, Intersection, Policy, Union
+from ._base import Complement, Intersection, Policy, Union, split_terms
 from ._blocks import find_blocks, library_nests
 from ._library_units import code_units
 from ._grammar import as_policy, parse_policy
@@ -32,6 +32,7 @@ __all__ = [
     "Overlap",
     "Selective",
     "split_modifiers",
+    "split_terms",
     "Blocks",
     "Complement",
     "Every",

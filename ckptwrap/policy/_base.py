@@ -25,6 +25,7 @@ __all__ = [
     "Picker",
     "Policy",
     "SetTerm",
+    "split_terms",
     "Union",
 ]
 
@@ -263,7 +264,7 @@ def install_operand_converter(convert: Callable[[Any], Policy]) -> None:
     _operand_to_policy = convert
 
 
-def _split(policy: Policy) -> Tuple[Tuple[Policy, ...], Tuple[Policy, ...]]:
+def split_terms(policy: Policy) -> Tuple[Tuple[Policy, ...], Tuple[Policy, ...]]:
     """The set terms and pickers that ``policy`` contributes to an intersection."""
     if isinstance(policy, Intersection):
         return policy.sets, policy.pickers
@@ -271,8 +272,8 @@ def _split(policy: Policy) -> Tuple[Tuple[Policy, ...], Tuple[Policy, ...]]:
 
 
 def _intersect(left: Policy, right: Policy) -> Intersection:
-    left_sets, left_pickers = _split(left)
-    right_sets, right_pickers = _split(right)
+    left_sets, left_pickers = split_terms(left)
+    right_sets, right_pickers = split_terms(right)
     return Intersection(sets=left_sets + right_sets, pickers=left_pickers + right_pickers)
 
 

@@ -75,9 +75,28 @@ class Budget(_Modifier):
     )
 
     def __post_init__(self) -> None:
-        # A malformed amount is refused when the policy is built; read once (a planner
-        # asks at every training forward).
-        object.__setattr__(self, "_read", self._parse())
+        """Reads the amount once, so that a malformed one is refused when the policy is built
+        (and a planner, which asks at every training forward, reads it from :meth:`parsed`).
+
+        Raises:
+            CheckpointConfigError: If the amount is malformed, or out of range: a
+                percentage must lie in (0, 100], an amount in bytes (rounded down to a
+                whole byte) from 1 B to :data:`MAX_BYTES`.
+        """
+        scope = self.scope
+        if scope == "device":
+            return
+        text = str(self.amount).strip()
+        if scope == "total":
+            text = _TOTAL.fullmatch(text).group(1).strip()  # type: ignore[union-attr]
+        fraction, amount = _amount(text, "total=" if scope == "total" else "")
+        if fraction is not None and scope == "total":
+            raise CheckpointConfigError(
+                f"budget:{abbreviate(str(self.amount).strip())} is malformed: total= takes "
+                f"the device's memory in bytes, such as budget:total=80GiB (a share of the "
+                f"step's peak is budget:NN%)"
+            )
+        object.__setattr__(self, "_read", (fraction, amount))
 
     def describe(self) -> str:
         return f"budget:{self.amount}"
@@ -92,33 +111,10 @@ class Budget(_Modifier):
         return "total" if _TOTAL.fullmatch(text) else "step"
 
     def parsed(self) -> Tuple[Optional[float], Optional[int]]:
-        """The amount as read when the term was made (see :meth:`_parse`)."""
-        return self._read
-
-    def _parse(self) -> Tuple[Optional[float], Optional[int]]:
         """(fraction of the un-checkpointed step's peak, None) or (None, bytes): bytes of
         the step, or of the whole device for ``total=SIZE``; (None, None) for ``device``
-        (read from the device when planned).
-
-        Raises:
-            CheckpointConfigError: If the amount is malformed, or out of range: a
-                percentage must lie in (0, 100], an amount in bytes (rounded down to a
-                whole byte) from 1 B to :data:`MAX_BYTES`.
-        """
-        scope = self.scope
-        if scope == "device":
-            return None, None
-        text = str(self.amount).strip()
-        if scope == "total":
-            text = _TOTAL.fullmatch(text).group(1).strip()  # type: ignore[union-attr]
-        fraction, amount = _amount(text, "total=" if scope == "total" else "")
-        if fraction is not None and scope == "total":
-            raise CheckpointConfigError(
-                f"budget:{abbreviate(str(self.amount).strip())} is malformed: total= takes "
-                f"the device's memory in bytes, such as budget:total=80GiB (a share of the "
-                f"step's peak is budget:NN%)"
-            )
-        return fraction, amount
+        (read from the device when planned)."""
+        return self._read
 
 
 def _amount(text: str, prefix: str) -> Tuple[Optional[float], Optional[int]]:
