@@ -29,17 +29,14 @@ def record_plan(model: nn.Module, plan: Optional[Plan]) -> None:
     """Keep ``plan`` as the model's ``ckptwrap_plan`` (None: remove it). A PEFT model's
     base model gets it as well, its names relative to that model: ``merge_and_unload()``
     returns the base model, still checkpointed as planned, and it keeps saying how."""
-    if plan is None:
-        model.__dict__.pop(PLAN_ATTRIBUTE, None)
-    else:
-        setattr(model, PLAN_ATTRIBUTE, plan)
     base, prefix = _peft_base(model)
-    if base is None:
-        return
-    if plan is None:
-        base.__dict__.pop(PLAN_ATTRIBUTE, None)
-    else:
-        setattr(base, PLAN_ATTRIBUTE, _rooted(plan, prefix))
+    for owner in (model, base):
+        if owner is None:
+            continue
+        if plan is None:
+            owner.__dict__.pop(PLAN_ATTRIBUTE, None)
+        else:
+            setattr(owner, PLAN_ATTRIBUTE, plan if owner is model else _rooted(plan, prefix))
 
 
 _PEFT_BASES = ("base_model.model", "base_model")
