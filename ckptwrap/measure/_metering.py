@@ -1176,7 +1176,9 @@ def _backward_keeping_grads(
         for tensor in (fsdp_param.sharded_param, getattr(fsdp_param, "_unsharded_param", None))
         if isinstance(tensor, torch.Tensor)
     ]
-    leaves = list({id(t): t for t in [*parameters, *held, *_leaves(roots)]}.values())
+    # With the leaves whose ``.grad`` a backward from ``roots`` accumulates into.
+    in_graph = (getattr(node, "variable", None) for node in graph_nodes(roots))
+    leaves = list({id(t): t for t in [*parameters, *held, *in_graph] if isinstance(t, torch.Tensor)}.values())
     kept = [(leaf, leaf.grad) for leaf in leaves]
     unreduced = [
         (fsdp_param, fsdp_param.unsharded_accumulated_grad)
@@ -1194,12 +1196,6 @@ def _backward_keeping_grads(
             leaf.grad = grad
         for fsdp_param, grad in unreduced:
             fsdp_param.unsharded_accumulated_grad = grad
-
-
-def _leaves(roots: List[torch.Tensor]) -> List[torch.Tensor]:
-    """The leaf tensors whose ``.grad`` a backward from ``roots`` accumulates into."""
-    found = (getattr(node, "variable", None) for node in graph_nodes(roots))
-    return list({id(t): t for t in found if isinstance(t, torch.Tensor)}.values())
 
 
 def resolve_targets(model: nn.Module, names: Sequence[str]) -> List[Tuple[str, nn.Module]]:
