@@ -514,7 +514,7 @@ class StepPeaks:
     """The step's peak."""
     moments: Dict[str, Tuple[Tuple[int, ...], ...]] = dataclasses.field(default_factory=dict)
     """Per phase, keyed ``forward:NAME``, ``recompute:NAME``, ``backward:NAME`` or
-    ``end``: the bytes at each point where the phase can peak (see ``_phases.Phase``), in
+    ``end``: the bytes at each point where the phase can peak (see :class:`Phase`), in
     runs of as many moments, shortest first (one run but for candidates called several
     times)."""
     seconds: Dict[str, float] = dataclasses.field(default_factory=dict)
