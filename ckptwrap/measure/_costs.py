@@ -303,7 +303,6 @@ class PhaseMeter:
         self.phases: List[Phase] = []
         self._labels = ["head"]
         self._times: List[float] = []
-        self._counter: Optional[_PhaseCounter] = None
         self.span: Optional[StepSpan] = None
         self._module = None if device.type in ("cpu", "meta") else torch.get_device_module(device.type)
         self._counted: List[Tuple[int, Tuple[int, ...]]] = []
@@ -321,8 +320,7 @@ class PhaseMeter:
             self._module.synchronize(self.device)
             self._start = self._module.memory_allocated(self.device)
             self._module.reset_peak_memory_stats(self.device)
-        self._counter = _PhaseCounter(self.device.type)
-        self.span = StepSpan(self._counter)
+        self.span = StepSpan(_PhaseCounter(self.device.type))
         self.span.enter()
         self._times.append(time.perf_counter())
         return self
@@ -335,11 +333,10 @@ class PhaseMeter:
 
     def finish(self) -> None:
         """End the last phase and stop counting; nothing stays on any mode stack."""
-        if self.finished or self._counter is None:
+        if self.finished or self.span is None:
             return
         self.cut("")
         self.finished = True
-        assert self.span is not None
         self.span.close()
         seconds = [b - a for a, b in zip(self._times, self._times[1:])]
         self.phases = [
@@ -349,13 +346,12 @@ class PhaseMeter:
 
     def cut(self, label: str) -> None:
         """End the phase in progress and begin ``label``."""
-        if self.finished or self._counter is None:
+        if self.finished or self.span is None:
             return
         if self._module is not None:
             self._module.synchronize(self.device)
-        assert self.span is not None
         self.span.settle()  # what the node in progress held so far is this phase's
-        peak, moments = self._counter.cut()
+        peak, moments = self.span.counter.cut()
         if self._module is not None:
             peak = max(peak, self._module.max_memory_allocated(self.device) - self._start)
             self._module.reset_peak_memory_stats(self.device)
@@ -371,18 +367,18 @@ class PhaseMeter:
     def adopt(self, tensor: torch.Tensor) -> None:
         """Count ``tensor``'s storage from now until it is freed, as if an operator had
         made it (a tensor made outside the dispatcher: the generator state a region keeps)."""
-        if self._counter is not None and not self.finished:
-            self._counter.adopt(tensor)
+        if self.span is not None and not self.finished:
+            self.span.counter.adopt(tensor)
 
     @contextlib.contextmanager
     def recording(self, *listeners: Optional[Listener]) -> Iterator[None]:
         """Tell ``listeners`` (those not None) every operator the meter counts in the
         block, after counting it, with its arguments and output; nothing once finished."""
-        counter = self._counter
         listening = [listener for listener in listeners if listener is not None]
-        if counter is None or self.finished or not listening:
+        if self.span is None or self.finished or not listening:
             yield
             return
+        counter = self.span.counter
         counter.listeners.extend(listening)
         try:
             yield
@@ -411,7 +407,7 @@ class Window:
         # cache, read the sibling outputs recomputed before it as its own, or not, as the
         # allocator reused their blocks).
         span.settle()
-        counter = self._counter = span.counter
+        counter = span.counter
         self._span = span
         self._start = counter.live_bytes
         self._ops = counter.ops
@@ -421,7 +417,7 @@ class Window:
 
     def close(self) -> "Window":
         self.seconds = time.perf_counter() - self._time
-        counter = self._counter
+        counter = self._span.counter
         if self in counter.windows:
             self._span.settle()  # what the allocator held inside it, beyond the outputs
         with counter._lock:
