@@ -291,32 +291,19 @@ class Phase(NamedTuple):
     seconds: float
 
 
-class Window(NamedTuple):
-    """What one stretch inside a phase (a candidate's recomputation) created and held."""
-
-    peak: int
-    """The most bytes its own allocations held at once, above its start."""
-    moments: Tuple[int, ...]
-    """Its moments, above its start."""
-    seconds: float
-    ops: int
-    """How many operators ran in it (the meter's own cost grows with them)."""
-
-
 class PhaseMeter:
     """Cuts the work between :meth:`start` and :meth:`finish` into phases: call
     :meth:`cut` with the next phase's label at each boundary; :attr:`phases` is filled by
-    :meth:`finish` (the first phase is labelled ``head``). Between them, :meth:`leave`
-    and :meth:`follow` carry it from the forward into the backward (``StepSpan``). As a
-    context manager it counts the block."""
+    :meth:`finish` (the first phase is labelled ``head``). Between them, its :attr:`span`
+    (a ``StepSpan``, None before :meth:`start`) carries it from the forward into the
+    backward. As a context manager it counts the block."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.phases: List[Phase] = []
         self._labels = ["head"]
         self._times: List[float] = []
-        self._counter: Optional[_PhaseCounter] = None
-        self._span: Optional[StepSpan] = None
+        self.span: Optional[StepSpan] = None
         self._module = None if device.type in ("cpu", "meta") else torch.get_device_module(device.type)
         self._counted: List[Tuple[int, Tuple[int, ...]]] = []
         self._start = 0
@@ -333,9 +320,8 @@ class PhaseMeter:
             self._module.synchronize(self.device)
             self._start = self._module.memory_allocated(self.device)
             self._module.reset_peak_memory_stats(self.device)
-        self._counter = _PhaseCounter(self.device.type)
-        self._span = StepSpan(self._counter)
-        self._span.enter()
+        self.span = StepSpan(_PhaseCounter(self.device.type))
+        self.span.enter()
         self._times.append(time.perf_counter())
         return self
 
@@ -345,38 +331,13 @@ class PhaseMeter:
     def __exit__(self, *exc: Any) -> None:
         self.finish()
 
-    def leave(self) -> None:
-        """The forward returned (or raised): off the caller's mode stack."""
-        if self._span is not None:
-            self._span.leave()
-
-    def follow(self, roots: Any) -> None:
-        """Count the backward from ``roots`` node by node."""
-        if self._span is not None and not self.finished:
-            self._span.follow(roots)
-
-    def counting(self) -> Any:
-        """Count a forward run inside the backward (a region's recomputation), or a block
-        of the caller's own between forward and backward, operator by operator, as the
-        forward was (``StepSpan.counting``)."""
-        if self._span is None or self.finished:
-            return contextlib.nullcontext()
-        return self._span.counting()
-
-    def loss_outside(self, grad: torch.Tensor) -> None:
-        """The backward reached the model with ``grad`` from a loss made outside it: count
-        the gradient from now on, and what the loss is taken to have held at its highest."""
-        if self._span is not None and not self.finished:
-            self._span.loss_outside(grad)
-
     def finish(self) -> None:
         """End the last phase and stop counting; nothing stays on any mode stack."""
-        if self.finished or self._counter is None:
+        if self.finished or self.span is None:
             return
         self.cut("")
         self.finished = True
-        assert self._span is not None
-        self._span.close()
+        self.span.close()
         seconds = [b - a for a, b in zip(self._times, self._times[1:])]
         self.phases = [
             Phase(label, peak, moments, spent)
@@ -385,13 +346,12 @@ class PhaseMeter:
 
     def cut(self, label: str) -> None:
         """End the phase in progress and begin ``label``."""
-        if self.finished or self._counter is None:
+        if self.finished or self.span is None:
             return
         if self._module is not None:
             self._module.synchronize(self.device)
-        assert self._span is not None
-        self._span.settle()  # what the node in progress held so far is this phase's
-        peak, moments = self._counter.cut()
+        self.span.settle()  # what the node in progress held so far is this phase's
+        peak, moments = self.span.counter.cut()
         if self._module is not None:
             peak = max(peak, self._module.max_memory_allocated(self.device) - self._start)
             self._module.reset_peak_memory_stats(self.device)
@@ -407,18 +367,18 @@ class PhaseMeter:
     def adopt(self, tensor: torch.Tensor) -> None:
         """Count ``tensor``'s storage from now until it is freed, as if an operator had
         made it (a tensor made outside the dispatcher: the generator state a region keeps)."""
-        if self._counter is not None and not self.finished:
-            self._counter.adopt(tensor)
+        if self.span is not None and not self.finished:
+            self.span.counter.adopt(tensor)
 
     @contextlib.contextmanager
     def recording(self, *listeners: Optional[Listener]) -> Iterator[None]:
         """Tell ``listeners`` (those not None) every operator the meter counts in the
         block, after counting it, with its arguments and output; nothing once finished."""
-        counter = self._counter
         listening = [listener for listener in listeners if listener is not None]
-        if counter is None or self.finished or not listening:
+        if self.span is None or self.finished or not listening:
             yield
             return
+        counter = self.span.counter
         counter.listeners.extend(listening)
         try:
             yield
@@ -426,22 +386,28 @@ class PhaseMeter:
             for listener in listening:
                 counter.listeners.remove(listener)
 
-    def window(self) -> "_OpenWindow":
-        """Start following a stretch of the phase in progress; close the returned window
-        where it ends."""
-        assert self._counter is not None and self._span is not None
-        return _OpenWindow(self._counter, self._span)
 
+class Window:
+    """What one stretch inside the phase in progress of a :class:`PhaseMeter` (a
+    candidate's recomputation) created and held: followed from its making, on the meter's
+    ``span``, until :meth:`close`, which fills in the fields and returns it."""
 
-class _OpenWindow:
-    def __init__(self, counter: "_PhaseCounter", span: StepSpan) -> None:
+    peak: int
+    """The most bytes its own allocations held at once, above its start."""
+    moments: Tuple[int, ...]
+    """Its moments, above its start."""
+    seconds: float
+    ops: int
+    """How many operators ran in it (the meter's own cost grows with them)."""
+
+    def __init__(self, span: StepSpan) -> None:
         # What a reading open already saw is the phase's, not the window's: read before the
         # window starts, a reading's highest could lie before it (a nested candidate's
         # recomputation under a save policy, whose outputs come back from the policy's
         # cache, read the sibling outputs recomputed before it as its own, or not, as the
         # allocator reused their blocks).
         span.settle()
-        self._counter = counter
+        counter = span.counter
         self._span = span
         self._start = counter.live_bytes
         self._ops = counter.ops
@@ -449,17 +415,18 @@ class _OpenWindow:
         self._time = time.perf_counter()
         counter.windows.append(self)
 
-    def close(self) -> Window:
-        seconds = time.perf_counter() - self._time
-        counter = self._counter
+    def close(self) -> "Window":
+        self.seconds = time.perf_counter() - self._time
+        counter = self._span.counter
         if self in counter.windows:
             self._span.settle()  # what the allocator held inside it, beyond the outputs
         with counter._lock:
             if self in counter.windows:
                 counter.windows.remove(self)
-        start = self._start
-        moments = tuple(max(0, m - start) for m in self._moments)
-        return Window(max(moments, default=0), moments, seconds, counter.ops - self._ops)
+        self.moments = tuple(max(0, m - self._start) for m in self._moments)
+        self.peak = max(self.moments, default=0)
+        self.ops = counter.ops - self._ops
+        return self
 
 
 class _PhaseCounter(StorageCounter):
@@ -471,7 +438,7 @@ class _PhaseCounter(StorageCounter):
         super().__init__(device_type, trace=True, workspaces=device_type == "cpu")
         self._phase_peak = 0
         self._phase_start = 0
-        self.windows: List[_OpenWindow] = []
+        self.windows: List[Window] = []
         self.listeners: List[Listener] = []
 
     def _record(self, func: Any, out: Any, args: Any, kwargs: Any) -> None:
@@ -543,7 +510,7 @@ class StepPeaks:
     """The step's peak."""
     moments: Dict[str, Tuple[Tuple[int, ...], ...]] = dataclasses.field(default_factory=dict)
     """Per phase, keyed ``forward:NAME``, ``recompute:NAME``, ``backward:NAME`` or
-    ``end``: the bytes at each point where the phase can peak (see ``_phases.Phase``), in
+    ``end``: the bytes at each point where the phase can peak (see :class:`Phase`), in
     runs of as many moments, shortest first (one run but for candidates called several
     times)."""
     seconds: Dict[str, float] = dataclasses.field(default_factory=dict)

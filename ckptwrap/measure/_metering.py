@@ -755,13 +755,16 @@ class StepRecorder:
     def forward_done(self, output: Any = None, *, follow: bool = True) -> None:
         """The model's forward returned ``output`` (or raised): stop following what it
         saves, leave the caller's mode stack and, with ``follow``, count the backward from
-        the output's tensors that need grad (see ``PhaseMeter.follow``)."""
+        the output's tensors that need grad (see ``StepSpan.follow``)."""
         hooks, self._base_hooks = self._base_hooks, None
         if hooks is not None:
             hooks.__exit__(None, None, None)
-        self.phases.leave()
+        span = self.phases.span
+        if span is None:
+            return
+        span.leave()
         if follow and output is not None and self.failed is None:
-            self.phases.follow([t for t in tensors(output) if t.requires_grad])
+            span.follow([t for t in tensors(output) if t.requires_grad])
 
     def finish(self) -> Optional[ModelProfile]:
         """The step's backward has ended: the profile it gives, or None if the recording
@@ -816,11 +819,11 @@ class StepRecorder:
             if self.failed is not None or self.phases.finished:
                 return call(*args, **kwargs)
             self.phases.cut(f"recompute:{record.name}")
-            window = self.phases.window()
+            window = Window(self.phases.span)
             try:
                 # A forward inside a node of the backward: counted by operators, as the
                 # forward was (the backward itself runs with no dispatch mode).
-                with self.phases.counting():
+                with self.phases.span.counting():
                     return call(*args, **kwargs)
             finally:
                 self._guarded(self._book.recomputed, record, window.close())
@@ -839,7 +842,7 @@ class StepRecorder:
         if self.failed is not None or self.phases.finished:
             return None
         if is_recomputing():
-            self._windows.setdefault(id(module), []).append(self.phases.window())
+            self._windows.setdefault(id(module), []).append(Window(self.phases.span))
             return None
         frame = self._guarded(self._book.begin, record, tuple(args), dict(kwargs))
         if frame is not None:
@@ -1055,11 +1058,11 @@ def _measure(
             # the loop people write around a model that returns its loss (``out =
             # model(**batch); out.loss.backward()``): logits and caches count. With one,
             # as in ``loss_fn(model(x)).backward()``, only what the loss keeps does.
-            with recorder.phases.counting():
+            with recorder.phases.span.counting():
                 roots, grads = _loss(output if loss_fn is None else loss_fn(output))
             if loss_fn is not None:
                 del output
-            recorder.phases.follow(roots)
+            recorder.phases.span.follow(roots)
             wanted = [p for p in model.parameters() if p.requires_grad]
             # A model sharded by FSDP2 backpropagates into fresh .grad fields, FSDP2's to
             # reduce-scatter (``_backward_keeping_grads``), with the counter on the stack
@@ -1077,7 +1080,7 @@ def _measure(
             elif roots and wanted:
                 # Returned, not accumulated: the caller's .grad fields stay as they were
                 # (but for FSDP2's, above).
-                with recorder.phases.counting() if under or sharded else contextlib.nullcontext():
+                with recorder.phases.span.counting() if under or sharded else contextlib.nullcontext():
                     if sharded:
                         _backward_keeping_grads(roots, grads, wanted, sharded)
                     else:
@@ -1173,7 +1176,9 @@ def _backward_keeping_grads(
         for tensor in (fsdp_param.sharded_param, getattr(fsdp_param, "_unsharded_param", None))
         if isinstance(tensor, torch.Tensor)
     ]
-    leaves = list({id(t): t for t in [*parameters, *held, *_leaves(roots)]}.values())
+    # With the leaves whose ``.grad`` a backward from ``roots`` accumulates into.
+    in_graph = (getattr(node, "variable", None) for node in graph_nodes(roots))
+    leaves = list({id(t): t for t in [*parameters, *held, *in_graph] if isinstance(t, torch.Tensor)}.values())
     kept = [(leaf, leaf.grad) for leaf in leaves]
     unreduced = [
         (fsdp_param, fsdp_param.unsharded_accumulated_grad)
@@ -1191,12 +1196,6 @@ def _backward_keeping_grads(
             leaf.grad = grad
         for fsdp_param, grad in unreduced:
             fsdp_param.unsharded_accumulated_grad = grad
-
-
-def _leaves(roots: List[torch.Tensor]) -> List[torch.Tensor]:
-    """The leaf tensors whose ``.grad`` a backward from ``roots`` accumulates into."""
-    found = (getattr(node, "variable", None) for node in graph_nodes(roots))
-    return list({id(t): t for t in found if isinstance(t, torch.Tensor)}.values())
 
 
 def resolve_targets(model: nn.Module, names: Sequence[str]) -> List[Tuple[str, nn.Module]]:

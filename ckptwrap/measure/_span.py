@@ -142,7 +142,9 @@ class StepSpan:
     def follow(self, roots: Sequence[torch.Tensor]) -> None:
         """Follow every node of the backward from ``roots`` as it runs (see the module).
         The gradients a node receives that were made before (by a loss computed outside
-        the count) are counted from then on, until freed."""
+        the count) are counted from then on, until freed. Nothing once closed."""
+        if self.closed:
+            return
         nodes = list(graph_nodes([t for t in roots if t.requires_grad]))
         self._gradients.graph(nodes, [t.grad_fn for t in roots if t.requires_grad and t.grad_fn is not None])
         for index, node in enumerate(nodes):

@@ -360,7 +360,7 @@ class DeviceTerms:
         the step starts with (accumulation) and its inputs read each time."""
         if self.in_terms:
             self._read(model, device, fake_step=False)
-            self.held_gradients = 0 if fresh() else _gradient_bytes(model)
+            self.held_gradients = 0 if fresh() else sum(grad.numel() * grad.element_size() for grad in _grads(model))
             self.inputs = input_bytes(args, kwargs or {}, device)
 
     def before_example(self, model: nn.Module, device: torch.device, args: Any, kwargs: Any) -> None:
@@ -429,11 +429,6 @@ def input_bytes(args: Any, kwargs: Any, device: torch.device) -> int:
     ``device`` (of its type: a meta model's inputs count as the device they stand for)."""
     found = [t for t in tensors((args, kwargs)) if t.device.type in (device.type, "meta")]
     return _bytes(found)
-
-
-def _gradient_bytes(model: nn.Module) -> int:
-    """Bytes of the gradients the model's parameters hold now."""
-    return sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
 
 
 def _bytes(found: Iterable[torch.Tensor]) -> int:

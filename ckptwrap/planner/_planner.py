@@ -1002,11 +1002,9 @@ class PlannedStep:
         if self.queued or self.ended:
             return
         self.queued = True
-        if not scalar and isinstance(grad, torch.Tensor):
-            if self.recorder is not None:
-                self.recorder.phases.loss_outside(grad)
-            elif self.meter is not None and self.meter.span is not None:
-                self.meter.span.loss_outside(grad)
+        meter = self.recorder.phases if self.recorder is not None else self.meter
+        if not scalar and isinstance(grad, torch.Tensor) and meter is not None and meter.span is not None:
+            meter.span.loss_outside(grad)
         _torch_private.queue_callback(self.end)  # type: ignore[misc]
 
     def end(self) -> None:

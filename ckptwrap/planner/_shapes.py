@@ -597,7 +597,9 @@ class CostFit:
         if any(_shape_of(profile) != first for profile in profiles[1:]):
             raise ShapesDiffer("the model called other candidates, or called them otherwise, at another shape")
         lined_up = _ops_lined_up(profiles)
-        self.template = _without_ops(profiles[-1], lined_up)
+        self.template = dataclasses.replace(profiles[-1], modules=tuple(
+            cost if cost.name in lined_up else dataclasses.replace(cost, ops=()) for cost in profiles[-1].modules
+        ))
         flat = [_flatten(profile, lined_up) for profile in profiles]
         self.keys = sorted(set.intersection(*(set(row[0]) for row in flat)))
         values = [[float(row[0][key]) for row in flat] for key in self.keys]
@@ -858,11 +860,6 @@ def _ops_lined_up(profiles: Sequence[ModelProfile]) -> Set[str]:
         if first and all(listed(profile[cost.name]) == first for profile in profiles[1:]):
             names.add(cost.name)
     return names
-
-
-def _without_ops(profile: ModelProfile, kept: Set[str]) -> ModelProfile:
-    modules = tuple(cost if cost.name in kept else dataclasses.replace(cost, ops=()) for cost in profile.modules)
-    return dataclasses.replace(profile, modules=modules)
 
 
 def _flatten(profile: ModelProfile, with_ops: Set[str]) -> Tuple[Dict[str, int], Dict[str, Tuple[int, ...]]]:
